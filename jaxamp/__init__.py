@@ -1,0 +1,22 @@
+"""jaxamp: torch.amp's automatic mixed precision for JAX.
+
+``autocast`` runs a function with each primitive in the dtype torch's autocast uses for that op;
+``dynamic_loss_scale`` is torch's GradScaler as an optax transformation.
+"""
+
+from jaxamp._src.autocast import autocast, custom_bwd, custom_fwd
+from jaxamp._src.policy import Category, get_autocast_dtype, is_autocast_available
+from jaxamp._src.regions import autocast_disabled, register_op
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "Category",
+    "autocast",
+    "autocast_disabled",
+    "custom_bwd",
+    "custom_fwd",
+    "get_autocast_dtype",
+    "is_autocast_available",
+    "register_op",
+)

@@ -1,0 +1,199 @@
+"""Every use of JAX internals in jaxamp, in one place.
+
+jaxamp reads jaxprs (public in ``jax.extend.core``) and re-binds primitives. A few things have no
+public API: tracing a Python function to a jaxpr over given avals, re-binding an eqn with its
+source information, reading an eqn's name stack and traceback, and the parameters of the
+custom-derivative primitives. They live here, each behind a small function, so that a JAX
+upgrade breaks one module, loudly (``tests/test_compat.py`` checks each of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+from jax._src import api_util as _api_util
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+from jax._src import source_info_util as _source_info
+from jax._src.interpreters import partial_eval as _pe
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+Literal = jex_core.Literal
+Var = jex_core.Var
+check_jaxpr = jex_core.check_jaxpr
+
+# The internals jaxamp needs, checked by tests/test_compat.py.
+REQUIRED_INTERNALS = {
+    "jax._src.api_util.debug_info": lambda: _api_util.debug_info,
+    "jax._src.core.typeof": lambda: _core.typeof,
+    "jax._src.core.eval_jaxpr": lambda: _core.eval_jaxpr,
+    "jax._src.linear_util.wrap_init": lambda: _lu.wrap_init,
+    "jax._src.source_info_util.user_context": lambda: _source_info.user_context,
+    "jax._src.source_info_util.current_name_stack": lambda: _source_info.current_name_stack,
+    "jax._src.source_info_util.Scope": lambda: _source_info.Scope,
+    "jax._src.interpreters.partial_eval.trace_to_jaxpr_dynamic":
+        lambda: _pe.trace_to_jaxpr_dynamic,
+    "jax._src.interpreters.partial_eval.convert_constvars_jaxpr":
+        lambda: _pe.convert_constvars_jaxpr,
+    "jax._src.custom_derivatives.lift_jvp": lambda: _custom_derivatives().lift_jvp,
+    "jax._src.custom_derivatives.lift_fwd": lambda: _custom_derivatives().lift_fwd,
+}
+
+
+def _custom_derivatives():
+  from jax._src import custom_derivatives
+
+  return custom_derivatives
+
+
+def typeof(x) -> Any:
+  """The abstract value (aval) of a value or tracer."""
+  return _core.typeof(x)
+
+
+def is_literal(atom) -> bool:
+  return isinstance(atom, Literal)
+
+
+def name_scopes(eqn) -> tuple[str, ...]:
+  """The ``jax.named_scope`` names an eqn was traced under, outermost first."""
+  stack = getattr(eqn.source_info.name_stack, "stack", ())
+  return tuple(s.name for s in stack if isinstance(s, _source_info.Scope))
+
+
+def traceback_frames(eqn) -> tuple[tuple[str, str, int], ...]:
+  """(file, function, line) of the Python frames an eqn was traced from, innermost first."""
+  traceback = eqn.source_info.traceback
+  if traceback is None:
+    return ()
+  return tuple((f.file_name, f.function_name, f.line_num) for f in traceback.frames)
+
+
+def bind(eqn, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
+  """Binds ``eqn``'s primitive on ``invals`` with its source info kept; always a list of outputs."""
+  params = eqn.params if params is None else params
+  bind_params = eqn.primitive.get_bind_params(params)
+  name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+  with (_source_info.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager):
+    out = eqn.primitive.bind(*invals, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def trace(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any]) -> ClosedJaxpr:
+  """Traces ``fun`` (flat arrays in, flat list out) to a closed jaxpr over ``in_avals``."""
+  debug_info = _api_util.debug_info("jaxamp.autocast", fun, tuple(in_avals), {})
+  jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
+      _lu.wrap_init(fun, debug_info=debug_info), list(in_avals))
+  return ClosedJaxpr(jaxpr, consts)
+
+
+def open_jaxpr(closed: ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:
+  """A jaxpr without constvars (they become leading invars) and the consts to pass for them."""
+  if not closed.consts:
+    return closed.jaxpr, []
+  return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+
+
+def is_typed_param(value) -> bool:
+  """Whether an eqn parameter fixes types: a jaxpr, a callable or an abstract value."""
+  return isinstance(value, Jaxpr | ClosedJaxpr | _core.AbstractValue | jax.ShapeDtypeStruct) \
+      or callable(value)
+
+
+def aval_with_dtype(aval, dtype):
+  """``aval`` with another dtype (and no weak type)."""
+  return aval.update(dtype=dtype, weak_type=False)
+
+
+# --- custom derivatives -------------------------------------------------------------------------
+
+
+def custom_jvp_rule_jaxpr(eqn) -> Callable[[], tuple[Jaxpr, list[Any]]]:
+  """The JVP rule of a ``custom_jvp_call`` eqn as a jaxpr thunk.
+
+  The jaxpr maps (*primals, *tangents) of the non-const inputs, all tangents nonzero, to
+  (*outs, *out_tangents); symbolic-zero output tangents are filled in as zeros.
+  """
+  params = eqn.params
+  n_args = len(eqn.invars) - params["num_consts"]
+  out_avals = [v.aval for v in eqn.outvars]
+
+  def thunk():
+    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*([False] * n_args))
+    if not any(out_zeros):
+      return jaxpr, consts
+    return _fill_zero_tangents(jaxpr, consts, out_zeros, out_avals)
+
+  return thunk
+
+
+def _fill_zero_tangents(jaxpr, consts, out_zeros, out_avals):
+  import jax.numpy as jnp
+
+  def full_rule(*args):
+    outs = _core.eval_jaxpr(jaxpr, consts, *args)
+    n = len(out_zeros)
+    nonzero = iter(outs[n:])
+    tangents = [jnp.zeros(a.shape, a.to_tangent_aval().dtype) if z else next(nonzero)
+                for a, z in zip(out_avals, out_zeros, strict=True)]
+    return [*outs[:n], *tangents]
+
+  closed = trace(full_rule, [v.aval for v in jaxpr.invars])
+  return closed.jaxpr, closed.consts
+
+
+def custom_vjp_rules(eqn):
+  """The rules of a ``custom_vjp_call`` eqn: ``(fwd_jaxpr, residual_dtypes, assemble, bwd)``.
+
+  ``fwd_jaxpr()`` is a thunk for (jaxpr, consts) mapping the non-const primals to the non-
+  forwarded residuals followed by the outputs; ``assemble(res_and_outs, primals)`` splits that
+  into (residuals as ``bwd`` takes them, outputs); ``residual_dtypes()`` are the dtypes ``bwd``
+  expects; ``bwd(*residuals, *out_cotangents)`` returns one cotangent per non-const input.
+  """
+  params = eqn.params
+  num_consts = params["num_consts"]
+  n_args = len(eqn.invars) - num_consts
+  in_avals = [v.aval for v in eqn.invars]
+  fwd_thunk, bwd, out_trees = params["fwd_jaxpr_thunk"], params["bwd"], params["out_trees"]
+
+  def fwd_jaxpr():
+    jaxpr, consts = fwd_thunk.call_wrapped(*([True] * n_args))
+    return jaxpr, consts
+
+  def split(res_and_outs):
+    _, res_tree, input_fwds = out_trees()
+    num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    return res_and_outs[:num_res_out], res_and_outs[num_res_out:], input_fwds
+
+  def assemble(res_and_outs, primals):
+    res_out, outs, input_fwds = split(res_and_outs)
+    res_iter = iter(res_out)
+    residuals = [next(res_iter) if f is None else primals[f] for f in input_fwds]
+    return residuals, list(outs)
+
+  def residual_dtypes():
+    jaxpr, _ = fwd_jaxpr()
+    res_avals, _, input_fwds = split([v.aval for v in jaxpr.outvars])
+    res_iter = iter(res_avals)
+    return [(next(res_iter) if f is None else in_avals[f]).dtype
+            for f in input_fwds]
+
+  def backward(*args):
+    return list(bwd.call_wrapped(*args))
+
+  return fwd_jaxpr, residual_dtypes, assemble, backward
+
+
+def instantiate(ct, aval) -> Any:
+  """A cotangent as an array: symbolic zeros (and None) become zeros of ``aval``."""
+  import jax.numpy as jnp
+
+  if ct is None or type(ct).__name__ in ("Zero", "SymbolicZero"):
+    return jnp.zeros(aval.shape, aval.dtype)
+  return ct

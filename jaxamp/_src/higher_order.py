@@ -1,0 +1,273 @@
+"""Autocast rules for higher-order primitives: each rewrites its bodies and re-binds itself.
+
+Bodies are rewritten by tracing the interpreter over them (``rewrite``), cached on the body, its
+input types and the context, so a layer jitted once and called many times is rewritten once.
+Loop carries and branch outputs keep the types they were declared with; casts of loop
+invariants (scan and while consts, i.e. the weights) are hoisted out of the loop body.
+Custom derivative rules are kept: the primal body and the rule are both autocast, and the
+cotangents a custom_vjp's backward returns come back in its inputs' dtypes.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxamp._src import compat
+from jaxamp._src.interpreter import Context, Env, evaluate, register_higher_order
+
+_CACHE_SIZE = 1024
+_rewrites: collections.OrderedDict = collections.OrderedDict()
+
+
+def body_avals(invars, values) -> tuple:
+  """The avals of a body's invars with the dtypes of the values now flowing into them."""
+  avals = []
+  for var, value in zip(invars, values, strict=True):
+    dtype = compat.typeof(value).dtype
+    avals.append(var.aval if dtype == var.aval.dtype else compat.aval_with_dtype(var.aval, dtype))
+  return tuple(avals)
+
+
+def _cast_value(value, dtype):
+  if dtype is None or compat.typeof(value).dtype == dtype:
+    return value
+  return lax.convert_element_type(value, dtype)
+
+
+def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
+            out_dtypes: tuple | None = None, hoist: int = 0) -> tuple[compat.ClosedJaxpr, tuple]:
+  """``jaxpr`` rewritten for ``in_avals`` under ``ctx``, and the casts hoisted out of it.
+
+  Args:
+    jaxpr: an open jaxpr; ``consts`` are the values of its constvars.
+    in_avals: the types of its invars now.
+    out_dtypes: dtypes its outputs must keep (None entries are free).
+    hoist: the leading ``hoist`` invars are loop invariants: casts of them are returned as
+      ``((invar index, dtype), ...)`` and taken as extra leading inputs of the result (placed
+      after the ``hoist`` invariants), to be computed once outside the loop.
+  """
+  key = (id(jaxpr), in_avals, ctx, out_dtypes, hoist)
+  hit = _rewrites.get(key)
+  if hit is not None and hit[0] is jaxpr:
+    _rewrites.move_to_end(key)
+    return hit[1], hit[2]
+  hoisted: tuple = ()
+  if hoist:
+    env = Env(ctx, hoistable=frozenset(jaxpr.invars[:hoist]))
+    compat.trace(lambda *args: _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env=env),
+                 in_avals)
+    hoisted = tuple((jaxpr.invars.index(var), dtype) for var, dtype in env.hoisted)
+  extra_avals = tuple(compat.aval_with_dtype(in_avals[i], dtype) for i, dtype in hoisted)
+
+  def body(*args):
+    invariants, extras, rest = args[:hoist], args[hoist:hoist + len(hoisted)], \
+        args[hoist + len(hoisted):]
+    precast = {(jaxpr.invars[i], dtype): extra
+               for (i, dtype), extra in zip(hoisted, extras, strict=True)}
+    return _evaluate_body(jaxpr, consts, (*invariants, *rest), ctx, out_dtypes, precast=precast)
+
+  closed = compat.trace(body, (*in_avals[:hoist], *extra_avals, *in_avals[hoist:]))
+  _rewrites[key] = (jaxpr, closed, hoisted)
+  if len(_rewrites) > _CACHE_SIZE:
+    _rewrites.popitem(last=False)
+  return closed, hoisted
+
+
+def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, precast=None, env=None):
+  outs = evaluate(jaxpr, consts, args, ctx, precast=precast, env=env)
+  if out_dtypes is None:
+    return outs
+  return [_cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
+
+
+def _declared(atoms) -> tuple:
+  return tuple(jnp.dtype(a.aval.dtype) for a in atoms)
+
+
+def _restore(env: Env, atoms, values: list) -> list:
+  """Values of ``atoms`` with their traced dtypes (for loop carries)."""
+  return [env.cast(a, jnp.dtype(a.aval.dtype)) if not compat.is_literal(a)
+          and jnp.issubdtype(a.aval.dtype, jnp.inexact) else v
+          for a, v in zip(atoms, values, strict=True)]
+
+
+@register_higher_order("jit", "pjit")
+def _jit_rule(eqn, invals, env, ctx):
+  closed = eqn.params["jaxpr"]
+  new, _ = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals), ctx)
+  return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
+
+
+@register_higher_order("closed_call", "core_call")
+def _closed_call_rule(eqn, invals, env, ctx):
+  closed = eqn.params["call_jaxpr"]
+  new, _ = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals), ctx)
+  return compat.bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+
+
+@register_higher_order("checkpoint", "remat", "remat2")
+def _remat_rule(eqn, invals, env, ctx):
+  jaxpr = eqn.params["jaxpr"]
+  new, _ = rewrite(jaxpr, (), body_avals(jaxpr.invars, invals), ctx)
+  body, consts = compat.open_jaxpr(new)
+  prevent_cse = eqn.params["prevent_cse"]
+  if isinstance(prevent_cse, tuple):
+    prevent_cse = (False,) * len(consts) + prevent_cse
+  return compat.bind(eqn, [*consts, *invals], dict(eqn.params, jaxpr=body,
+                                                   prevent_cse=prevent_cse))
+
+
+@register_higher_order("scan")
+def _scan_rule(eqn, invals, env, ctx):
+  p = eqn.params
+  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  closed = p["jaxpr"]
+  carry_atoms = eqn.invars[n_consts:n_consts + n_carry]
+  invals = [*invals[:n_consts], *_restore(env, carry_atoms, invals[n_consts:n_consts + n_carry]),
+            *invals[n_consts + n_carry:]]
+  out_dtypes = _declared(closed.jaxpr.outvars[:n_carry]) + \
+      (None,) * (len(closed.jaxpr.outvars) - n_carry)
+  new, hoisted = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals),
+                         ctx, out_dtypes, hoist=n_consts)
+  extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
+  params = dict(p, jaxpr=new, num_consts=n_consts + len(extras))
+  if "linear" in p:  # older JAX versions
+    linear = tuple(p["linear"])
+    params["linear"] = linear[:n_consts] + (False,) * len(extras) + linear[n_consts:]
+  return compat.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], params)
+
+
+@register_higher_order("while")
+def _while_rule(eqn, invals, env, ctx):
+  p = eqn.params
+  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts, body_consts = invals[:n_cond], invals[n_cond:n_cond + n_body]
+  carry_atoms = eqn.invars[n_cond + n_body:]
+  carry = _restore(env, carry_atoms, invals[n_cond + n_body:])
+  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  new_cond, _ = rewrite(cond.jaxpr, cond.consts,
+                        body_avals(cond.jaxpr.invars, [*cond_consts, *carry]), ctx,
+                        _declared(cond.jaxpr.outvars))
+  new_body, hoisted = rewrite(body.jaxpr, body.consts,
+                              body_avals(body.jaxpr.invars, [*body_consts, *carry]), ctx,
+                              _declared(body.jaxpr.outvars), hoist=n_body)
+  extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
+  params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body,
+                body_nconsts=n_body + len(extras))
+  return compat.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], params)
+
+
+@register_higher_order("cond")
+def _cond_rule(eqn, invals, env, ctx):
+  branches = eqn.params["branches"]
+  operands = invals[1:]
+  out_dtypes = _declared(branches[0].jaxpr.outvars)
+  new = tuple(rewrite(b.jaxpr, b.consts, body_avals(b.jaxpr.invars, operands), ctx,
+                      out_dtypes)[0] for b in branches)
+  return compat.bind(eqn, invals, dict(eqn.params, branches=new))
+
+
+@register_higher_order("shard_map")
+def _shard_map_rule(eqn, invals, env, ctx):
+  jaxpr = eqn.params["jaxpr"]
+  new, _ = rewrite(jaxpr, (), body_avals(jaxpr.invars, invals), ctx)
+  body, consts = compat.open_jaxpr(new)
+  if consts:  # constants the rewrite created: inline them as literals-free replicated inputs
+    raise NotImplementedError("autocast of a shard_map body that creates array constants")
+  return compat.bind(eqn, invals, dict(eqn.params, jaxpr=body))
+
+
+# --- custom derivatives --------------------------------------------------------------------------
+
+
+def _match(values, dtypes) -> list:
+  """``values`` cast to ``dtypes`` (float0 tangents and non-floats left alone)."""
+  out = []
+  for value, dtype in zip(values, dtypes, strict=True):
+    current = compat.typeof(value).dtype
+    if current == dtype or not jnp.issubdtype(current, jnp.inexact) \
+        or not jnp.issubdtype(dtype, jnp.inexact):
+      out.append(value)
+    else:
+      out.append(lax.convert_element_type(value, dtype))
+  return out
+
+
+@register_higher_order("custom_jvp_call")
+def _custom_jvp_rule(eqn, invals, env, ctx):
+  call = eqn.params["call_jaxpr"]
+  num_consts = eqn.params["num_consts"]
+  body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx)
+  out_dtypes = [aval.dtype for aval in body.out_avals]
+  rule_jaxpr = compat.custom_jvp_rule_jaxpr(eqn)
+
+  @jax.custom_jvp
+  def autocast_fun(*xs):
+    return jax.extend.core.jaxpr_as_fun(body)(*xs)
+
+  @autocast_fun.defjvp
+  def autocast_fun_jvp(primals, tangents):
+    jaxpr, consts = rule_jaxpr()
+    primals, tangents = primals[num_consts:], tangents[num_consts:]
+    outs = evaluate(jaxpr, consts, [*primals, *tangents], ctx)
+    n = len(outs) // 2
+    out_primals = _match(outs[:n], out_dtypes)
+    out_tangents = _match(outs[n:], out_dtypes)
+    return out_primals, out_tangents
+
+  return list(autocast_fun(*invals))
+
+
+_bwd_policy = threading.local()
+
+
+def backward_policy():
+  """The policy of the forward pass whose custom_vjp backward is being traced, if any."""
+  return getattr(_bwd_policy, "policy", None)
+
+
+@register_higher_order("custom_vjp_call")
+def _custom_vjp_rule(eqn, invals, env, ctx):
+  call = eqn.params["call_jaxpr"]
+  num_consts = eqn.params["num_consts"]
+  body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx)
+  out_dtypes = [aval.dtype for aval in body.out_avals]
+  traced_out = [v.aval.dtype for v in eqn.outvars]
+  traced_out_avals = [v.aval for v in eqn.outvars]
+  in_dtypes = [compat.typeof(v).dtype for v in invals]
+  fwd_jaxpr, residual_dtypes, assemble, bwd = compat.custom_vjp_rules(eqn)
+
+  @jax.custom_vjp
+  def autocast_fun(*xs):
+    return jax.extend.core.jaxpr_as_fun(body)(*xs)
+
+  def autocast_fwd(*xs):
+    jaxpr, consts = fwd_jaxpr()
+    res_and_outs = evaluate(jaxpr, consts, list(xs[num_consts:]), ctx)
+    residuals, outs = assemble(res_and_outs, xs)
+    return tuple(_match(outs, out_dtypes)), tuple(residuals)
+
+  def autocast_bwd(residuals, cts):
+    residuals = _match(list(residuals), residual_dtypes())
+    cts = [compat.instantiate(ct, aval) for ct, aval in zip(cts, traced_out_avals, strict=True)]
+    cts = _match(cts, traced_out)
+    previous, _bwd_policy.policy = backward_policy(), ctx.policy
+    try:
+      in_cts = bwd(*residuals, *cts)
+    finally:
+      _bwd_policy.policy = previous
+    const_cts = [jnp.zeros(compat.typeof(x).shape, compat.typeof(x).dtype)
+                 for x in invals[:num_consts]]
+    in_cts = [compat.instantiate(ct, compat.typeof(x))
+              for ct, x in zip(in_cts, invals[num_consts:], strict=True)]
+    return tuple(_match([*const_cts, *in_cts], in_dtypes))
+
+  autocast_fun.defvjp(autocast_fwd, autocast_bwd)
+  return list(autocast_fun(*invals))

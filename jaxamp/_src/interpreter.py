@@ -1,0 +1,349 @@
+"""The autocast interpreter: evaluates a jaxpr, choosing each eqn's compute dtype from a policy.
+
+The loop is JAX's ``eval_jaxpr`` with one step added before each bind: the inputs are cast as
+the eqn's rule asks. Rules come from the eqn's *region* (``regions.py``) and, outside regions,
+from the policy table's category for the primitive:
+
+* LOWER / FLOAT32 / PROMOTE cast the eligible floating inputs (float32, float16, bfloat16);
+* NATIVE runs on the incoming dtypes, only making inputs that had equal dtypes when traced
+  equal again (torch's native type promotion: the widest wins, Python scalars follow);
+* kept regions get the traced dtypes back and run as written;
+* op regions cast the values entering them by the op's category and run their inside natively;
+* higher-order primitives (jit, scan, cond, ...) are rewritten by ``higher_order.py``.
+
+Casts are cached per (variable, dtype), so a value is converted at most once per trace; and
+``add(dot(x, w), broadcast(b))`` keeps the dot's low dtype (torch's ``linear(x, w, b)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._src import compat, regions
+from jaxamp._src.policy import ELIGIBLE_DTYPES, Category, Policy
+
+
+class Context(NamedTuple):
+  """What an eqn inherits from the eqns around it. Hashable: it keys the rewrite cache.
+
+  Attributes:
+    policy: the active policy.
+    kept: inside a region that runs as written.
+    op: the enclosing op region, whose inside runs natively.
+  """
+
+  policy: Policy
+  kept: bool = False
+  op: regions.OpRegion | None = None
+
+
+# A higher-order rule: (eqn, input values, context of its body, interpreter) -> outputs.
+HigherOrderRule = Callable[..., list[Any]]
+HIGHER_ORDER_RULES: dict[str, HigherOrderRule] = {}
+
+
+def register_higher_order(*names: str) -> Callable[[HigherOrderRule], HigherOrderRule]:
+  def register(rule: HigherOrderRule) -> HigherOrderRule:
+    for name in names:
+      HIGHER_ORDER_RULES[name] = rule
+    return rule
+
+  return register
+
+
+# Primitives whose meaning depends on their input dtypes: they always get the traced ones back.
+KEEP_DTYPES = {
+    "bitcast_convert_type", "reduce", "reduce_window", "select_and_scatter",
+    "select_and_gather_add", "pure_callback", "io_callback", "ffi_call", "pallas_call",
+    "custom_linear_solve", "linear_solve", "run_state", "mosaic_gpu_call", "tpu_custom_call",
+}
+
+# Primitives with a scalar combiner jaxpr typed like the operand, re-typed after a cast.
+_COMBINER_PARAM = {"scatter-add": "update_jaxpr", "scatter_add": "update_jaxpr",
+                   "scatter-mul": "update_jaxpr", "scatter_mul": "update_jaxpr",
+                   "scatter-min": "update_jaxpr", "scatter_min": "update_jaxpr",
+                   "scatter-max": "update_jaxpr", "scatter_max": "update_jaxpr",
+                   "scatter": "update_jaxpr"}
+
+_LOWER_PRIMITIVES = ("dot_general", "conv_general_dilated")
+_BROADCASTS = ("broadcast_in_dim", "reshape", "expand_dims", "squeeze")
+
+
+def _variant(eqn) -> str | None:
+  """A finer key for primitives whose torch op depends on how they are used."""
+  name = eqn.primitive.name
+  if name == "div" and _is_weak(eqn.invars[0]) and not eqn.invars[0].aval.shape:
+    return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
+  if name in ("reduce_window_sum", "reduce_window_max") and eqn.invars[0].aval.ndim == 5:
+    return "3d"  # (N, D, H, W, C) pooling: torch's avg_pool3d / max_pool3d
+  return None
+
+
+def primitive_category(eqn, policy: Policy) -> Category:
+  variant = _variant(eqn)
+  if variant is not None:
+    keyed = policy.table.primitive_categories.get(f"{eqn.primitive.name}[{variant}]")
+    if keyed is not None:
+      return keyed
+  return policy.primitive_category(eqn.primitive.name)
+
+
+def _is_weak(atom) -> bool:
+  return compat.is_literal(atom) or getattr(atom.aval, "weak_type", False)
+
+
+def _is_eligible(dtype) -> bool:
+  return dtype in ELIGIBLE_DTYPES
+
+
+def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+  widest = dtypes[0]
+  for dtype in dtypes[1:]:
+    widest = jnp.promote_types(widest, dtype)
+  return jnp.dtype(widest)
+
+
+class Env:
+  """The state of one jaxpr's evaluation: values, their region, and the cast cache."""
+
+  def __init__(self, ctx: Context, hoistable: frozenset = frozenset(),
+               precast: dict | None = None):
+    self.ctx = ctx
+    self.values: dict[Any, Any] = {}
+    self.region: dict[Any, str | None] = {}
+    self.casts: dict[tuple[Any, np.dtype], Any] = dict(precast or {})
+    self.lowered: set[Any] = set()  # outputs of low-precision dots/convs
+    self.broadcast_source: dict[Any, Any] = {}  # var -> the var it was broadcast from
+    self.hoistable = hoistable  # loop-invariant invars whose casts may move out of the loop
+    self.hoisted: list[tuple[Any, np.dtype]] = []  # casts asked of hoistable invars
+
+  def read(self, atom) -> Any:
+    return atom.val if compat.is_literal(atom) else self.values[atom]
+
+  def dtype(self, atom) -> np.dtype:
+    if compat.is_literal(atom):
+      return jnp.dtype(atom.aval.dtype)
+    return jnp.dtype(compat.typeof(self.values[atom]).dtype)
+
+  def cast(self, atom, dtype: np.dtype) -> Any:
+    """The value of ``atom`` in ``dtype``, converted at most once per (variable, dtype)."""
+    value = self.read(atom)
+    if self.dtype(atom) == dtype:
+      return value
+    if compat.is_literal(atom):
+      return np.asarray(atom.val, dtype)
+    key = (atom, dtype)
+    if key in self.casts:
+      return self.casts[key]
+    if atom in self.hoistable and key not in self.hoisted:
+      self.hoisted.append(key)
+    converted = lax.convert_element_type(value, dtype)
+    if self.ctx.policy.cache_enabled:
+      self.casts[key] = converted
+    return converted
+
+
+def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
+             hoistable: frozenset = frozenset(), precast: dict | None = None,
+             env: Env | None = None) -> list[Any]:
+  """Evaluates ``jaxpr`` on ``args`` in the current trace, casting as ``ctx``'s policy says."""
+  env = env if env is not None else Env(ctx, hoistable, precast)
+  inherited = ctx.op.instance if ctx.op is not None else None
+  for var, value in zip(jaxpr.constvars, consts, strict=True):
+    env.values[var] = value
+    env.region[var] = inherited
+  for var, value in zip(jaxpr.invars, args, strict=True):
+    env.values[var] = value
+    env.region[var] = inherited
+  for eqn in jaxpr.eqns:
+    outs, region = _eval_eqn(eqn, env, ctx)
+    for var, value in zip(eqn.outvars, outs, strict=True):
+      env.values[var] = value
+      env.region[var] = region
+  return [env.read(v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
+  marks = _marks(eqn, ctx)
+  if marks.kept:
+    invals = [env.cast(a, jnp.dtype(a.aval.dtype)) if _is_float(a) else env.read(a)
+              for a in eqn.invars]
+    return compat.bind(eqn, invals), None
+  if marks.op is not None:
+    return _eval_in_op(eqn, env, ctx, marks.op), marks.op.instance
+  return _eval_by_primitive(eqn, env, ctx), None
+
+
+def _is_float(atom) -> bool:
+  return _is_eligible(jnp.dtype(atom.aval.dtype))
+
+
+def _marks(eqn, ctx: Context) -> regions.Marks:
+  if ctx.kept:
+    return regions.Marks(True, None)
+  own = regions.marks_of(eqn)
+  if own.kept:
+    return own
+  if ctx.op is not None:
+    return regions.Marks(False, ctx.op)
+  return own
+
+
+def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion) -> list[Any]:
+  """Values entering the op are cast by its category; inside, everything runs natively."""
+  category = ctx.policy.op_category(op.name, op.default)
+  if category is Category.FORBIDDEN:
+    raise RuntimeError(
+        f"`{op.name}` is unsafe to autocast under the {ctx.policy.device_type!r} policy, as in "
+        "torch: its backward pass may produce gradients float16 cannot represent. Use the "
+        "with-logits form (jaxamp.functional.binary_cross_entropy_with_logits or "
+        "optax.sigmoid_binary_cross_entropy) on logits, or call it in a "
+        "jaxamp.autocast_disabled() block on float32 inputs."
+    )
+  entering = [not compat.is_literal(a) and env.region.get(a) != op.instance
+              for a in eqn.invars]
+  invals = _cast_for(category, eqn, env, ctx.policy, select=entering, cast_to=op.cast_to)
+  inner = ctx._replace(op=op)
+  return _bind_native(eqn, env, inner, invals)
+
+
+def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
+  name = eqn.primitive.name
+  if name in HIGHER_ORDER_RULES:
+    return HIGHER_ORDER_RULES[name](eqn, [env.read(a) for a in eqn.invars], env, ctx)
+  if _keeps_dtypes(eqn):
+    invals = [env.cast(a, jnp.dtype(a.aval.dtype)) if _is_float(a) else env.read(a)
+              for a in eqn.invars]
+    return compat.bind(eqn, invals)
+  category = primitive_category(eqn, ctx.policy)
+  if category is Category.NATIVE and name == "add":
+    outs = _bias_add(eqn, env)
+    if outs is not None:
+      return outs
+  invals = _cast_for(category, eqn, env, ctx.policy)
+  params = _lower_params(eqn, env, category, ctx.policy, invals)
+  outs = _bind_native(eqn, env, ctx, invals, params)
+  if category is Category.LOWER and name in _LOWER_PRIMITIVES:
+    env.lowered.update(eqn.outvars)
+  if name in _BROADCASTS and not compat.is_literal(eqn.invars[0]):
+    env.broadcast_source[eqn.outvars[0]] = env.broadcast_source.get(eqn.invars[0],
+                                                                    eqn.invars[0])
+  return outs
+
+
+def _keeps_dtypes(eqn) -> bool:
+  """Listed primitives, and unknown ones carrying jaxprs, callables or avals, keep their dtypes."""
+  name = eqn.primitive.name
+  if name in KEEP_DTYPES:
+    return True
+  if name in _COMBINER_PARAM:
+    return False
+  return any(compat.is_typed_param(item)
+             for value in eqn.params.values()
+             for item in (value if isinstance(value, tuple | list) else (value,)))
+
+
+def _cast_for(category: Category, eqn, env: Env, policy: Policy,
+              select: Sequence[bool] | None = None, cast_to: np.dtype | None = None) -> list:
+  """The eqn's input values, the eligible floating ones cast as ``category`` says."""
+  atoms = eqn.invars
+  select = [True] * len(atoms) if select is None else select
+  floats = [s and _is_eligible(env.dtype(a)) for a, s in zip(atoms, select, strict=True)]
+  if cast_to is not None:
+    target = cast_to
+  elif category is Category.LOWER:
+    if any(not _is_eligible(env.dtype(a)) and jnp.issubdtype(env.dtype(a), jnp.floating)
+           for a in atoms):
+      return [env.read(a) for a in atoms]  # float64 operands: not eligible, as in torch
+    target = policy.dtype
+  elif category is Category.FLOAT32:
+    target = jnp.dtype(jnp.float32)
+  elif category is Category.PROMOTE:
+    strong = [env.dtype(a) for a, f in zip(atoms, floats, strict=True) if f and not _is_weak(a)]
+    if not strong:
+      return [env.read(a) for a in atoms]
+    target = _widest(strong)
+  else:
+    return [env.read(a) for a in atoms]
+  return [env.cast(a, target) if f else env.read(a) for a, f in zip(atoms, floats, strict=True)]
+
+
+def _lower_params(eqn, env: Env, category: Category, policy: Policy, invals) -> dict | None:
+  """dot/conv params for the low dtype, unless the caller fixed the result dtype explicitly."""
+  if category is not Category.LOWER or eqn.primitive.name not in _LOWER_PRIMITIVES:
+    return None
+  preferred = eqn.params.get("preferred_element_type")
+  traced_inputs = _widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
+  if preferred is None or jnp.dtype(preferred) != traced_inputs:
+    return None  # an explicit accumulation/result dtype: keep it
+  new_inputs = _widest([jnp.dtype(compat.typeof(v).dtype) for v in invals])
+  return dict(eqn.params, preferred_element_type=new_inputs)
+
+
+def _bind_native(eqn, env: Env, ctx: Context, invals: list, params: dict | None = None) -> list:
+  """Binds with inputs that were equal-typed when traced made equal again (widest wins)."""
+  name = eqn.primitive.name
+  if name in HIGHER_ORDER_RULES:
+    return HIGHER_ORDER_RULES[name](eqn, invals, env, ctx)
+  invals = _equalize(eqn, invals)
+  params = dict(eqn.params) if params is None else params
+  combiner = _COMBINER_PARAM.get(name)
+  if combiner and params.get(combiner) is not None:
+    operand_dtype = compat.typeof(invals[0]).dtype
+    if operand_dtype != eqn.invars[0].aval.dtype:
+      params[combiner] = _retype_combiner(params[combiner], params.get("update_consts", ()),
+                                          operand_dtype)
+  return compat.bind(eqn, invals, params)
+
+
+def _equalize(eqn, invals: list) -> list:
+  groups: dict[np.dtype, list[int]] = {}
+  for i, atom in enumerate(eqn.invars):
+    traced = jnp.dtype(atom.aval.dtype)
+    if _is_eligible(traced) and _is_eligible(jnp.dtype(compat.typeof(invals[i]).dtype)):
+      groups.setdefault(traced, []).append(i)
+  invals = list(invals)
+  for members in groups.values():
+    dtypes = {jnp.dtype(compat.typeof(invals[i]).dtype) for i in members}
+    if len(dtypes) < 2:
+      continue
+    strong = [jnp.dtype(compat.typeof(invals[i]).dtype) for i in members
+              if not _is_weak(eqn.invars[i])]
+    target = _widest(strong or sorted(dtypes, key=str))
+    for i in members:
+      if jnp.dtype(compat.typeof(invals[i]).dtype) != target:
+        invals[i] = lax.convert_element_type(invals[i], target)
+  return invals
+
+
+def _bias_add(eqn, env: Env) -> list | None:
+  """``add(dot_or_conv_out, broadcast(bias))`` runs in the dot's low dtype, as torch's linear."""
+  a, b = eqn.invars
+  if compat.is_literal(a) or compat.is_literal(b):
+    return None
+  for out, bias in ((a, b), (b, a)):
+    if out in env.lowered and bias in env.broadcast_source:
+      out_dtype, bias_dtype = env.dtype(out), env.dtype(bias)
+      if out_dtype != bias_dtype and _is_eligible(bias_dtype):
+        source = env.broadcast_source[bias]
+        if np.prod(source.aval.shape, dtype=int) < np.prod(out.aval.shape, dtype=int):
+          values = {out: env.read(out), bias: env.cast(bias, out_dtype)}
+          outs = compat.bind(eqn, [values[a], values[b]])
+          env.lowered.update(eqn.outvars)
+          return outs
+  return None
+
+
+def _retype_combiner(jaxpr, consts, dtype) -> Any:
+  """A scalar combiner jaxpr (e.g. scatter-add's ``add``) re-traced for ``dtype`` operands."""
+  closed = compat.ClosedJaxpr(jaxpr, list(consts))
+  avals = [compat.aval_with_dtype(v.aval, dtype) for v in jaxpr.invars]
+  from jax.extend.core import jaxpr_as_fun
+
+  retyped = compat.trace(lambda *xs: jaxpr_as_fun(closed)(*xs), avals)
+  return retyped.jaxpr

@@ -1,0 +1,191 @@
+"""Autocast policies: which dtype each JAX primitive or registered op runs in.
+
+A policy is data. Each device type has one table (``jaxamp/_src/tables/<device>.py``) whose rows
+map JAX primitives and named op regions to a category, and name the torch ops they realise. The
+interpreter looks categories up here and never branches on device types itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Category(enum.Enum):
+  """How autocast treats the floating-point inputs of an op (torch.amp's op lists)."""
+
+  LOWER = "lower"  # cast to the autocast dtype (float16 / bfloat16)
+  FLOAT32 = "float32"  # cast to float32
+  PROMOTE = "promote"  # cast to the widest floating input dtype
+  NATIVE = "native"  # unlisted op: run in the dtypes its inputs already have
+  FORBIDDEN = "forbidden"  # raises inside an autocast region (binary_cross_entropy on cuda)
+
+
+class Row(NamedTuple):
+  """One row of a policy table.
+
+  Attributes:
+    torch_ops: the torch ops this row realises (names as in torch's autocast op reference).
+    category: how the row's inputs are cast.
+    primitives: names of the JAX primitives the row covers.
+    ops: names of registered op regions (composites) the row covers.
+  """
+
+  torch_ops: tuple[str, ...]
+  category: Category
+  primitives: tuple[str, ...] = ()
+  ops: tuple[str, ...] = ()
+
+
+ELIGIBLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+LOW_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Table:
+  """A device type's policy table: its default dtype and its rows."""
+
+  device_type: str
+  default_dtype: np.dtype
+  rows: tuple[Row, ...]
+
+  @functools.cached_property
+  def primitive_categories(self) -> Mapping[str, Category]:
+    return _index(self.rows, "primitives")
+
+  @functools.cached_property
+  def op_categories(self) -> Mapping[str, Category]:
+    return _index(self.rows, "ops")
+
+
+def _index(rows: tuple[Row, ...], field: str) -> dict[str, Category]:
+  index: dict[str, Category] = {}
+  for row in rows:
+    for name in getattr(row, field):
+      if name in index and index[name] != row.category:
+        raise ValueError(f"{name!r} has two categories in one table")
+      index[name] = row.category
+  return index
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """An active autocast setting: a device table and the low-precision dtype it casts to.
+
+  Frozen and hashable, so it keys the caches of traced and rewritten jaxprs.
+  """
+
+  table: Table
+  dtype: np.dtype
+  cache_enabled: bool = True
+
+  @property
+  def device_type(self) -> str:
+    return self.table.device_type
+
+  def primitive_category(self, name: str) -> Category:
+    return self.table.primitive_categories.get(name, Category.NATIVE)
+
+  def op_category(self, name: str, default: Category | None) -> Category:
+    """The category of a named op region; ``default`` for ops the table does not list."""
+    category = self.table.op_categories.get(name)
+    if category is not None:
+      return category
+    return default if default is not None else Category.NATIVE
+
+  @property
+  def tag(self) -> str:
+    return f"{self.device_type},{self.dtype.name}"
+
+
+_TABLES: dict[str, Table] = {}
+
+
+def register_table(table: Table) -> Table:
+  """Makes ``table`` the policy of its device type."""
+  _TABLES[table.device_type] = table
+  return table
+
+
+def device_types() -> tuple[str, ...]:
+  """The device types jaxamp has policy tables for."""
+  _load_tables()
+  return tuple(sorted(_TABLES))
+
+
+def get_table(device_type: str) -> Table:
+  _load_tables()
+  if not isinstance(device_type, str):
+    raise TypeError(
+        f"`device_type` must be a string, one of {device_types()}; got {device_type!r}."
+    )
+  try:
+    return _TABLES[device_type]
+  except KeyError:
+    raise ValueError(
+        f"`device_type` must be one of {device_types()}; got {device_type!r}."
+    ) from None
+
+
+def _load_tables() -> None:
+  from jaxamp._src.tables import cpu, cuda  # noqa: F401  (registers the tables)
+
+
+def default_device_type() -> str:
+  """The device type of JAX's default backend: "cuda" on GPUs, "cpu" otherwise."""
+  return "cuda" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+
+
+def canonical_dtype(dtype) -> np.dtype:
+  """Validates a user's autocast ``dtype``: float16 or bfloat16."""
+  try:
+    canonical = jnp.dtype(dtype)
+  except TypeError:
+    canonical = None
+  if canonical not in LOW_DTYPES:
+    raise ValueError(
+        "`dtype` must be one of jnp.float16 or jnp.bfloat16 (autocast's lower-precision "
+        f"dtypes); got {dtype!r}."
+    )
+  return canonical
+
+
+def canonical_cast_dtype(dtype) -> np.dtype:
+  """Validates an explicit cast target: float32, float16 or bfloat16."""
+  try:
+    canonical = jnp.dtype(dtype)
+  except TypeError:
+    canonical = None
+  if canonical not in ELIGIBLE_DTYPES:
+    raise ValueError(
+        "`cast_inputs` must be one of jnp.float32, jnp.float16 or jnp.bfloat16; "
+        f"got {dtype!r}."
+    )
+  return canonical
+
+
+def make_policy(device_type: str | None, dtype, cache_enabled: bool = True) -> Policy:
+  """The policy for ``device_type`` (None: the default backend's) and ``dtype``."""
+  table = get_table(default_device_type() if device_type is None else device_type)
+  low = table.default_dtype if dtype is None else canonical_dtype(dtype)
+  if not isinstance(cache_enabled, bool):
+    raise TypeError(f"`cache_enabled` must be a bool; got {cache_enabled!r}.")
+  return Policy(table, low, cache_enabled)
+
+
+def is_autocast_available(device_type: str) -> bool:
+  """True if jaxamp has an autocast policy for ``device_type`` (like torch's)."""
+  _load_tables()
+  return device_type in _TABLES
+
+
+def get_autocast_dtype(device_type: str) -> np.dtype:
+  """The default lower-precision dtype of ``device_type``'s policy."""
+  return get_table(device_type).default_dtype

@@ -1,0 +1,1 @@
+"""Policy tables, one module per device type."""

@@ -1,0 +1,72 @@
+"""torch.amp's CPU op lists (bfloat16 by default; float16 shares them) as a jaxamp policy table.
+
+Unlike CUDA, exp, sum, softmax and layer_norm are not on CPU's float32 list: they run in the
+dtype of their inputs. Each row names the torch ops it realises; ``docs/coverage.md`` lists every
+op of the reference with its row, or why it has no JAX counterpart.
+"""
+
+import jax.numpy as jnp
+
+from jaxamp._src.policy import Category, Row, Table, register_table
+
+L, F, P = Category.LOWER, Category.FLOAT32, Category.PROMOTE
+
+ROWS = (
+    # --- bfloat16 --------------------------------------------------------------------------------
+    Row(("bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "addbmm", "linear", "matmul",
+         "mkldnn_rnn_layer"), L, primitives=("dot_general",)),
+    Row(("conv1d", "conv2d", "conv3d", "_convolution", "conv_tbc", "conv_transpose1d",
+         "conv_transpose2d", "conv_transpose3d"), L, primitives=("conv_general_dilated",)),
+    Row(("prelu",), L, ops=("prelu",)),
+    Row(("scaled_dot_product_attention", "_native_multi_head_attention"), L,
+        ops=("scaled_dot_product_attention",)),
+    # --- float32: primitives ---------------------------------------------------------------------
+    Row(("prod",), F, primitives=("reduce_prod",)),
+    Row(("cholesky", "linalg_cholesky", "linalg_cholesky_ex", "cholesky_inverse",
+         "cholesky_solve"), F, primitives=("cholesky",)),
+    Row(("triangular_solve", "lu_solve"), F, primitives=("triangular_solve",)),
+    Row(("_lu_with_info", "inverse", "linalg_inv", "linalg_inv_ex", "linalg_solve",
+         "linalg_tensorinv", "linalg_tensorsolve"), F, primitives=("lu",)),
+    Row(("qr", "linalg_qr", "geqrf"), F, primitives=("qr", "geqrf", "geqp3")),
+    Row(("orgqr", "ormqr", "linalg_householder_product"), F,
+        primitives=("householder_product",)),
+    Row(("svd", "linalg_svd", "linalg_svdvals", "pinverse", "linalg_matrix_rank", "linalg_cond",
+         "linalg_lstsq"), F, primitives=("svd",)),
+    Row(("linalg_eigh", "linalg_eigvalsh"), F, primitives=("eigh",)),
+    Row(("linalg_eig", "linalg_eigvals"), F, primitives=("eig",)),
+    Row(("fft_fft", "fft_ifft", "fft_fft2", "fft_ifft2", "fft_fftn", "fft_ifftn", "fft_rfft",
+         "fft_irfft", "fft_rfft2", "fft_irfft2", "fft_rfftn", "fft_irfftn", "fft_hfft", "fft_ihfft",
+         "stft"), F, primitives=("fft",)),
+    Row(("avg_pool3d", "adaptive_avg_pool3d"), F, primitives=("reduce_window_sum[3d]",)),
+    Row(("max_pool3d", "adaptive_max_pool3d"), F, primitives=("reduce_window_max[3d]",)),
+    # --- float32: composites ---------------------------------------------------------------------
+    Row(("trace",), F, ops=("trace",)),
+    Row(("quantile", "nanquantile"), F, ops=("quantile",)),
+    Row(("cdist",), F, ops=("cdist",)),
+    Row(("reflection_pad1d", "reflection_pad2d"), F, ops=("reflection_pad",)),
+    Row(("replication_pad1d", "replication_pad2d", "replication_pad3d"), F,
+        ops=("replication_pad",)),
+    Row(("mse_loss",), F, ops=("mse_loss",)),
+    Row(("l1_loss",), F, ops=("l1_loss",)),
+    Row(("huber_loss",), F, ops=("huber_loss", "smooth_l1_loss")),
+    Row(("cross_entropy_loss",), F, ops=("cross_entropy",)),
+    Row(("nll_loss", "nll_loss2d"), F, ops=("nll_loss",)),
+    Row(("kl_div",), F, ops=("kl_div",)),
+    Row(("binary_cross_entropy",), F, ops=("binary_cross_entropy",)),
+    Row(("binary_cross_entropy_with_logits",), F, ops=("binary_cross_entropy_with_logits",)),
+    Row(("poisson_nll_loss",), F, ops=("poisson_nll_loss",)),
+    Row(("cosine_embedding_loss",), F, ops=("cosine_embedding_loss",)),
+    Row(("hinge_embedding_loss",), F, ops=("hinge_embedding_loss",)),
+    Row(("margin_ranking_loss",), F, ops=("margin_ranking_loss",)),
+    Row(("soft_margin_loss",), F, ops=("soft_margin_loss",)),
+    Row(("triplet_margin_loss",), F, ops=("triplet_margin_loss",)),
+    Row(("multi_margin_loss",), F, ops=("multi_margin_loss",)),
+    Row(("multilabel_margin_loss", "multilabel_margin_loss_forward"), F,
+        ops=("multilabel_margin_loss",)),
+    Row(("ctc_loss",), F, ops=("ctc_loss",)),
+    # --- promote to the widest input type -------------------------------------------------------
+    Row(("cat", "stack"), P, primitives=("concatenate",)),
+    Row(("index_copy",), P, primitives=("scatter",)),
+)
+
+TABLE = register_table(Table("cpu", jnp.dtype(jnp.bfloat16), ROWS))
