@@ -4,6 +4,7 @@
 ``dynamic_loss_scale`` is torch's GradScaler as an optax transformation.
 """
 
+from jaxamp import functional
 from jaxamp._src.autocast import autocast, custom_bwd, custom_fwd
 from jaxamp._src.policy import Category, get_autocast_dtype, is_autocast_available
 from jaxamp._src.regions import autocast_disabled, register_op
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "Category",
+    "functional",
     "autocast",
     "autocast_disabled",
     "custom_bwd",

@@ -127,8 +127,8 @@ class Env:
 
   def dtype(self, atom) -> np.dtype:
     if compat.is_literal(atom):
-      return jnp.dtype(atom.aval.dtype)
-    return jnp.dtype(compat.typeof(self.values[atom]).dtype)
+      return atom.aval.dtype
+    return compat.typeof(self.values[atom]).dtype
 
   def cast(self, atom, dtype: np.dtype) -> Any:
     """The value of ``atom`` in ``dtype``, converted at most once per (variable, dtype)."""
@@ -171,7 +171,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
 def _eval_eqn(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
   marks = _marks(eqn, ctx)
   if marks.kept:
-    invals = [env.cast(a, jnp.dtype(a.aval.dtype)) if _is_float(a) else env.read(a)
+    invals = [env.cast(a, a.aval.dtype) if _is_float(a) else env.read(a)
               for a in eqn.invars]
     return compat.bind(eqn, invals), None
   if marks.op is not None:
@@ -180,7 +180,7 @@ def _eval_eqn(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
 
 
 def _is_float(atom) -> bool:
-  return _is_eligible(jnp.dtype(atom.aval.dtype))
+  return _is_eligible(atom.aval.dtype)
 
 
 def _marks(eqn, ctx: Context) -> regions.Marks:
@@ -217,7 +217,7 @@ def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
   if name in HIGHER_ORDER_RULES:
     return HIGHER_ORDER_RULES[name](eqn, [env.read(a) for a in eqn.invars], env, ctx)
   if _keeps_dtypes(eqn):
-    invals = [env.cast(a, jnp.dtype(a.aval.dtype)) if _is_float(a) else env.read(a)
+    invals = [env.cast(a, a.aval.dtype) if _is_float(a) else env.read(a)
               for a in eqn.invars]
     return compat.bind(eqn, invals)
   category = primitive_category(eqn, ctx.policy)
@@ -281,7 +281,7 @@ def _lower_params(eqn, env: Env, category: Category, policy: Policy, invals) -> 
   traced_inputs = _widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
   if preferred is None or jnp.dtype(preferred) != traced_inputs:
     return None  # an explicit accumulation/result dtype: keep it
-  new_inputs = _widest([jnp.dtype(compat.typeof(v).dtype) for v in invals])
+  new_inputs = _widest([compat.typeof(v).dtype for v in invals])
   return dict(eqn.params, preferred_element_type=new_inputs)
 
 
@@ -304,19 +304,19 @@ def _bind_native(eqn, env: Env, ctx: Context, invals: list, params: dict | None 
 def _equalize(eqn, invals: list) -> list:
   groups: dict[np.dtype, list[int]] = {}
   for i, atom in enumerate(eqn.invars):
-    traced = jnp.dtype(atom.aval.dtype)
-    if _is_eligible(traced) and _is_eligible(jnp.dtype(compat.typeof(invals[i]).dtype)):
+    traced = atom.aval.dtype
+    if _is_eligible(traced) and _is_eligible(compat.typeof(invals[i]).dtype):
       groups.setdefault(traced, []).append(i)
   invals = list(invals)
   for members in groups.values():
-    dtypes = {jnp.dtype(compat.typeof(invals[i]).dtype) for i in members}
+    dtypes = {compat.typeof(invals[i]).dtype for i in members}
     if len(dtypes) < 2:
       continue
-    strong = [jnp.dtype(compat.typeof(invals[i]).dtype) for i in members
+    strong = [compat.typeof(invals[i]).dtype for i in members
               if not _is_weak(eqn.invars[i])]
     target = _widest(strong or sorted(dtypes, key=str))
     for i in members:
-      if jnp.dtype(compat.typeof(invals[i]).dtype) != target:
+      if compat.typeof(invals[i]).dtype != target:
         invals[i] = lax.convert_element_type(invals[i], target)
   return invals
 

@@ -128,7 +128,7 @@ _library_ops: dict[str, list[tuple[str, str]]] = {}
 
 
 def register_library_op(path_suffix: str, function: str, name: str) -> None:
-  """Recognises eqns traced inside ``function`` of a file ending in ``path_suffix`` as op ``name``."""
+  """Treats eqns traced inside ``function`` of a file ending in ``path_suffix`` as op ``name``."""
   _library_ops.setdefault(function, []).append((path_suffix, name))
   _library_op.cache_clear()
 

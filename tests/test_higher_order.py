@@ -1,0 +1,116 @@
+"""Inside every higher-order primitive, dots, convs, exp and reductions get the policy's dtype."""
+
+import jax
+import jax.numpy as jnp
+import jaxpr_utils
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxamp
+
+X = jnp.ones((4, 8)) * 0.1
+W = jnp.ones((8, 8)) * 0.1
+KERNEL = jnp.ones((3, 3, 8, 8)) * 0.1
+
+# (device_type, dot/conv dtype, dtype exp and reduce_sum run in when fed by a dot)
+POLICIES = [("cuda", jnp.float16, jnp.float32), ("cpu", jnp.bfloat16, jnp.bfloat16)]
+
+
+def block(x, w):
+  """A dot, a conv, an exp and a reduction."""
+  h = x @ w
+  image = h.reshape(1, 4, 8, 1).repeat(8, axis=3)
+  c = lax.conv_general_dilated(image, KERNEL, (1, 1), "SAME",
+                               dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jnp.exp(h) + jnp.sum(h) + jnp.sum(c)
+
+
+def _custom_jvp_block():
+  f = jax.custom_jvp(block)
+  f.defjvp(lambda p, t: (block(*p), jnp.zeros_like(p[0])))
+  return f
+
+
+def _custom_vjp_block():
+  f = jax.custom_vjp(block)
+  f.defvjp(lambda x, w: (block(x, w), (x, w)), lambda r, g: (g, r[1]))
+  return f
+
+
+def _shard_map(fun):
+  mesh = jax.make_mesh((1,), ("d",))
+  return jax.shard_map(fun, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+
+
+HIGHER_ORDER = {
+    "jit": lambda x, w: jax.jit(block)(x, w),
+    "scan": lambda x, w: lax.scan(lambda c, _: (c, block(c, w)), x, None, length=2)[1].sum(0),
+    "while": lambda x, w: lax.while_loop(lambda s: s[0] < 2,
+                                         lambda s: (s[0] + 1, block(s[1], w) * 0 + s[1]),
+                                         (0, x))[1],
+    "cond": lambda x, w: lax.cond(x.sum() > 0, block, lambda a, b: a, x, w),
+    "switch": lambda x, w: lax.switch(1, [lambda a, b: a, block], x, w),
+    "remat": lambda x, w: jax.checkpoint(block)(x, w),
+    "custom_jvp": lambda x, w: _custom_jvp_block()(x, w),
+    "custom_vjp": lambda x, w: _custom_vjp_block()(x, w),
+    "shard_map": lambda x, w: _shard_map(block)(x, w),
+}
+
+
+@pytest.mark.parametrize("device_type,low,exp_dtype", POLICIES)
+@pytest.mark.parametrize("name", sorted(HIGHER_ORDER))
+def test_dtypes_inside_higher_order_primitive(name, device_type, low, exp_dtype):
+  fun = jaxamp.autocast(HIGHER_ORDER[name], device_type=device_type)
+  jaxpr = jax.make_jaxpr(fun)(X, W)
+  jax.extend.core.check_jaxpr(jaxpr.jaxpr)
+  for primitive in ("dot_general", "conv_general_dilated"):
+    found = jaxpr_utils.dtypes_of(jaxpr, primitive)
+    assert found, primitive
+    assert all(ins == (low, low) for ins, _ in found), (primitive, found)
+  for primitive in ("exp", "reduce_sum"):
+    found = [ins for ins, _ in jaxpr_utils.dtypes_of(jaxpr, primitive)]
+    fed_by_dot = [ins for ins in found if ins[0] != jnp.float32 or exp_dtype == jnp.float32]
+    assert fed_by_dot and all(ins[0] == exp_dtype for ins in fed_by_dot), (primitive, found)
+
+
+@pytest.mark.parametrize("name", sorted(HIGHER_ORDER))
+def test_gradients_through_higher_order_primitive_are_float32(name):
+  fun = jaxamp.autocast(HIGHER_ORDER[name], device_type="cuda")
+  if name == "while":
+    pytest.skip("reverse-mode differentiation of while_loop is not defined in JAX")
+  g = jax.jit(jax.grad(lambda w: fun(X, w).astype(jnp.float32).sum()))(W)
+  assert g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g)))
+
+
+def test_loop_carries_keep_their_declared_dtypes():
+  def fun(x, w):
+    return lax.scan(lambda c, _: (c @ w, None), x, None, length=3)[0]
+
+  out = jaxamp.autocast(fun, device_type="cuda")(X, W)
+  assert out.dtype == jnp.float32
+
+
+def test_cond_branch_outputs_keep_their_declared_dtypes():
+  fun = lambda x, w: lax.cond(True, lambda a: a @ w, lambda a: a, x)
+  assert jaxamp.autocast(fun, device_type="cuda")(X, W).dtype == jnp.float32
+
+
+def test_unknown_primitives_get_their_traced_dtypes_back():
+  def fun(x, w):
+    h = x @ w
+    return jax.pure_callback(lambda a: a * 2, jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+
+  out = jax.jit(jaxamp.autocast(fun, device_type="cuda"))(X, W)
+  assert out.dtype == jnp.float32
+
+
+def test_jitted_layer_is_rewritten_once():
+  layer = jax.jit(lambda x, w: jnp.tanh(x @ w))
+
+  def fun(x, w):
+    return layer(layer(layer(x, w), w), w)
+
+  jaxpr = jax.make_jaxpr(jaxamp.autocast(fun, device_type="cuda"))(X, W)
+  bodies = {id(e.params["jaxpr"]) for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"}
+  assert len(bodies) <= 2  # the first call sees float32 inputs, the next ones float16
