@@ -112,6 +112,11 @@ def register_op(name: str, *, category: Category | str | None = None) -> Callabl
   return decorate
 
 
+def registered_ops() -> tuple[str, ...]:
+  """The names of the op regions made with ``register_op``."""
+  return tuple(_user_defaults)
+
+
 def _as_category(category: Category | str | None) -> Category | None:
   if category is None or isinstance(category, Category):
     return category

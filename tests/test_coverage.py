@@ -1,0 +1,43 @@
+"""The coverage document lists every op of torch's reference lists, realised as torch says."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+import jaxamp  # noqa: F401  (registers jaxamp.functional's op regions)
+from jaxamp._src import coverage, library_ops, policy, regions
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("make_coverage", ROOT / "scripts/make_coverage.py")
+make_coverage = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_coverage)
+
+needs_reference = pytest.mark.skipif(not make_coverage.REFERENCE.exists(),
+                                     reason="../shared/reference is not beside the repository")
+
+
+def _ops():
+  return make_coverage.reference_ops(make_coverage.REFERENCE.read_text())
+
+
+@needs_reference
+def test_every_reference_op_is_realised_in_its_torch_category_or_not_applicable():
+  for device_type, category, name in _ops():
+    line = coverage.coverage(device_type, name)
+    assert line.startswith((f"{category}:", "not applicable:")), (device_type, name, line)
+
+
+@needs_reference
+def test_coverage_document_is_up_to_date():
+  committed = (ROOT / "docs" / "coverage.md").read_text()
+  assert committed == make_coverage.render(_ops()), "run python scripts/make_coverage.py"
+
+
+@pytest.mark.parametrize("device_type", policy.device_types())
+def test_every_op_region_of_a_table_has_an_implementation(device_type):
+  library = {name for _, _, name in library_ops.LIBRARY_OPS}
+  registered = set(regions.registered_ops())
+  for row in policy.get_table(device_type).rows:
+    for op in row.ops:
+      assert op in library | registered | coverage.NATIVE_PROMOTION, (device_type, op)
