@@ -6,6 +6,14 @@
 
 from jaxamp import functional
 from jaxamp._src.autocast import autocast, custom_bwd, custom_fwd
+from jaxamp._src.loss_scale import (
+    DynamicLossScaleState,
+    dynamic_loss_scale,
+    get_scale,
+    load_state_dict,
+    scale_loss,
+    state_dict,
+)
 from jaxamp._src.policy import Category, get_autocast_dtype, is_autocast_available
 from jaxamp._src.regions import autocast_disabled, register_op
 
@@ -13,6 +21,12 @@ __version__ = "0.1.0"
 
 __all__ = (
     "Category",
+    "DynamicLossScaleState",
+    "dynamic_loss_scale",
+    "get_scale",
+    "load_state_dict",
+    "scale_loss",
+    "state_dict",
     "functional",
     "autocast",
     "autocast_disabled",
