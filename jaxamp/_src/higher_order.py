@@ -176,12 +176,13 @@ def _cond_rule(eqn, invals, env, ctx):
 
 @register_higher_order("shard_map")
 def _shard_map_rule(eqn, invals, env, ctx):
-  jaxpr = eqn.params["jaxpr"]
-  new, _ = rewrite(jaxpr, (), body_avals(jaxpr.invars, invals), ctx)
-  body, consts = compat.open_jaxpr(new)
-  if consts:  # constants the rewrite created: inline them as literals-free replicated inputs
-    raise NotImplementedError("autocast of a shard_map body that creates array constants")
-  return compat.bind(eqn, invals, dict(eqn.params, jaxpr=body))
+  """Re-binds through ``jax.shard_map``, which traces the body in the mesh's axis context."""
+  p = eqn.params
+  body = p["jaxpr"]
+  mapped = jax.shard_map(lambda *args: tuple(evaluate(body, (), args, ctx)), mesh=p["mesh"],
+                         in_specs=p["in_specs"], out_specs=p["out_specs"],
+                         axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"])
+  return list(mapped(*invals))
 
 
 # --- custom derivatives --------------------------------------------------------------------------

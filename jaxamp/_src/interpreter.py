@@ -33,12 +33,10 @@ class Context(NamedTuple):
 
   Attributes:
     policy: the active policy.
-    kept: inside a region that runs as written.
     op: the enclosing op region, whose inside runs natively.
   """
 
   policy: Policy
-  kept: bool = False
   op: regions.OpRegion | None = None
 
 
@@ -160,23 +158,48 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
   for var, value in zip(jaxpr.invars, args, strict=True):
     env.values[var] = value
     env.region[var] = inherited
-  for eqn in jaxpr.eqns:
+  last_use = _last_uses(jaxpr)
+  for index, eqn in enumerate(jaxpr.eqns):
     outs, region = _eval_eqn(eqn, env, ctx)
     for var, value in zip(eqn.outvars, outs, strict=True):
       env.values[var] = value
       env.region[var] = region
+    for var in last_use.get(index, ()):
+      del env.values[var]  # dead: let eager evaluation free it, as JAX's eval_jaxpr does
   return [env.read(v) for v in jaxpr.outvars]
+
+
+def _last_uses(jaxpr) -> dict[int, list]:
+  """Eqn index -> the variables read for the last time by that eqn (outputs excluded)."""
+  last: dict[Any, int] = {}
+  for index, eqn in enumerate(jaxpr.eqns):
+    for atom in eqn.invars:
+      if not compat.is_literal(atom):
+        last[atom] = index
+  for atom in jaxpr.outvars:
+    if not compat.is_literal(atom):
+      last.pop(atom, None)
+  by_eqn: dict[int, list] = {}
+  for var, index in last.items():
+    by_eqn.setdefault(index, []).append(var)
+  return by_eqn
 
 
 def _eval_eqn(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
   marks = _marks(eqn, ctx)
   if marks.kept:
-    invals = [env.cast(a, a.aval.dtype) if _is_float(a) else env.read(a)
-              for a in eqn.invars]
-    return compat.bind(eqn, invals), None
+    return _bind_traced_dtypes(eqn, env), None
   if marks.op is not None:
-    return _eval_in_op(eqn, env, ctx, marks.op), marks.op.instance
+    category = ctx.policy.op_category(marks.op.name, marks.op.default)
+    if category is not None or marks.op.cast_to is not None:
+      return _eval_in_op(eqn, env, ctx, marks.op, category), marks.op.instance
   return _eval_by_primitive(eqn, env, ctx), None
+
+
+def _bind_traced_dtypes(eqn, env: Env) -> list[Any]:
+  """Binds ``eqn`` on its inputs cast back to the dtypes they had when traced."""
+  invals = [env.cast(a, a.aval.dtype) if _is_float(a) else env.read(a) for a in eqn.invars]
+  return compat.bind(eqn, invals)
 
 
 def _is_float(atom) -> bool:
@@ -184,8 +207,6 @@ def _is_float(atom) -> bool:
 
 
 def _marks(eqn, ctx: Context) -> regions.Marks:
-  if ctx.kept:
-    return regions.Marks(True, None)
   own = regions.marks_of(eqn)
   if own.kept:
     return own
@@ -194,9 +215,9 @@ def _marks(eqn, ctx: Context) -> regions.Marks:
   return own
 
 
-def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion) -> list[Any]:
+def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion,
+                category: Category | None) -> list[Any]:
   """Values entering the op are cast by its category; inside, everything runs natively."""
-  category = ctx.policy.op_category(op.name, op.default)
   if category is Category.FORBIDDEN:
     raise RuntimeError(
         f"`{op.name}` is unsafe to autocast under the {ctx.policy.device_type!r} policy, as in "
@@ -217,9 +238,7 @@ def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
   if name in HIGHER_ORDER_RULES:
     return HIGHER_ORDER_RULES[name](eqn, [env.read(a) for a in eqn.invars], env, ctx)
   if _keeps_dtypes(eqn):
-    invals = [env.cast(a, a.aval.dtype) if _is_float(a) else env.read(a)
-              for a in eqn.invars]
-    return compat.bind(eqn, invals)
+    return _bind_traced_dtypes(eqn, env)
   category = primitive_category(eqn, ctx.policy)
   if category is Category.NATIVE and name == "add":
     outs = _bias_add(eqn, env)

@@ -10,15 +10,18 @@ the *scaled* loss and does what ``scaler.step(optimizer); scaler.update()`` does
 
 Products with non-power-of-two factors (0.3, 1.1) must round exactly as torch's C++ does:
 ``static_cast<float>(float * double)``, i.e. the exact product rounded to float64 and then to
-float32 (two roundings). Without ``jax_enable_x64`` there is no float64 inside ``jit``, so
-``_round_f64_then_f32`` emulates both roundings on the exact product held as a vector of bits,
-using integer arithmetic only. Integer ops are exact on every backend; float error-free
-transformations (Dekker, TwoSum) are not safe where XLA contracts ``a * b + c`` into an FMA.
+float32 (two roundings); the inverse is ``scale.double().reciprocal().float()``. Without
+``jax_enable_x64`` there is no float64 inside ``jit``, so ``_mul_f32_f64`` and
+``_reciprocal_parts`` form the exact product (in 12-bit limbs) or quotient (by long division) in
+scalar uint32 arithmetic and ``_f64_to_f32`` applies both roundings. Integer ops are exact on every
+backend; float error-free transformations (Dekker, TwoSum) are not safe where XLA contracts
+``a * b + c`` into an FMA.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -68,14 +71,44 @@ class LossScaleHyperparams:
   enabled: bool = True
 
 
+def _hyperparams_to_state_dict(hp: LossScaleHyperparams) -> dict[str, Any]:
+  return dataclasses.asdict(hp)
+
+
+def _hyperparams_from_state_dict(
+    target: LossScaleHyperparams, state: dict[str, Any]
+) -> LossScaleHyperparams:
+  if not state:
+    return target
+  return LossScaleHyperparams(
+      growth_factor=float(state["growth_factor"]),
+      backoff_factor=float(state["backoff_factor"]),
+      growth_interval=int(state["growth_interval"]),
+      enabled=bool(state["enabled"]),
+  )
+
+
+@functools.cache
+def _register_flax_serialization() -> None:
+  """Lets ``flax.serialization`` (``to_bytes``, msgpack checkpoints) save the hyperparameters."""
+  try:
+    from flax import serialization
+  except ImportError:  # without flax there is nothing to register
+    return
+  serialization.register_serialization_state(
+      LossScaleHyperparams, _hyperparams_to_state_dict, _hyperparams_from_state_dict,
+      override=True,
+  )
+
+
 class DynamicLossScaleState(NamedTuple):
   """State of the ``GradientTransformation`` returned by ``dynamic_loss_scale``.
 
   Attributes:
     scale: the current loss scale, a float32 scalar whatever the gradient dtypes (1.0 when the
       scaler is disabled).
-    growth_tracker: int32 number of consecutive finite steps since the scale last changed
-      (torch's ``_growth_tracker``).
+    growth_tracker: int32 number of consecutive finite steps since the last growth or skipped
+      step (torch's ``_growth_tracker``).
     found_inf: bool scalar, whether the last update found an Inf or NaN and was skipped.
     skipped_steps: int32 number of updates skipped since ``init`` (saturates, never wraps).
     inner_state: the state of the wrapped optimizer.
@@ -112,13 +145,21 @@ class DynamicLossScaleState(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------------------
-# Exact float32 (x) float64 arithmetic without float64: integers held as vectors of bits.
+# Exact float32 (x) float64 arithmetic without float64, in scalar uint32 arithmetic.
+#
+# A float64 significand D (53 bits, 2**52 <= D <= 2**53) is held as two words,
+# D = hi * 2**29 + lo with lo < 2**29, next to a binary exponent: the value is D * 2**exponent.
 
 _F32_INF_BITS = 0x7F800000
+_LO_BITS = 29
+
+
+def _u32(x: Any) -> jax.Array:
+  return jnp.asarray(x, jnp.uint32)
 
 
 def _decompose_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(m, e)`` with ``|x| = m * 2**e`` and ``m`` in ``[2**23, 2**24)``, for finite ``x != 0``."""
+  """``(m, e)``, ``|x| = m * 2**e`` with the uint32 ``m`` in ``[2**23, 2**24)`` (finite x != 0)."""
   u = lax.bitcast_convert_type(x, jnp.uint32)
   biased = (u >> 23) & 0xFF
   frac = u & 0x7FFFFF
@@ -126,112 +167,131 @@ def _decompose_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   m = jnp.where(normal, frac | 0x800000, frac)
   e = jnp.where(normal, biased.astype(jnp.int32) - 150, -149)
   shift = jnp.maximum(lax.clz(m).astype(jnp.int32) - 8, 0)  # normalises subnormals
-  return (m << shift.astype(jnp.uint32)).astype(jnp.int32), e - shift
+  return m << shift.astype(jnp.uint32), e - shift
 
 
-def _limbs_to_bits(limbs: jax.Array, limb_bits: int) -> jax.Array:
-  """Little-endian int32 limbs of ``limb_bits`` bits each -> little-endian vector of 0/1 bits."""
-  shifts = jnp.arange(limb_bits, dtype=jnp.int32)
-  return ((limbs[:, None] >> shifts[None, :]) & 1).reshape(-1)
+def _round_half_even(
+    hi: jax.Array, lo: jax.Array, guard: jax.Array, sticky: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Rounds ``hi * 2**29 + lo`` (plus a guard bit and a sticky bit below it) to nearest even."""
+  up = (guard != 0) & ((sticky != 0) | ((lo & 1) != 0))
+  lo = lo + up.astype(jnp.uint32)
+  return hi + (lo >> _LO_BITS), lo & ((1 << _LO_BITS) - 1)
 
 
-def _round_at(bits: jax.Array, pos: jax.Array) -> jax.Array:
-  """Rounds the integer ``bits`` to a multiple of ``2**pos``, ties to even (any ``pos >= 0``)."""
-  idx = jnp.arange(bits.shape[0], dtype=jnp.int32)
-  guard = jnp.sum(jnp.where(idx == pos - 1, bits, 0))
-  sticky = jnp.any((bits > 0) & (idx < pos - 1))
-  lsb = jnp.sum(jnp.where(idx == pos, bits, 0))
-  round_up = (guard > 0) & (sticky | (lsb > 0))
-  kept = jnp.where(idx >= pos, bits, 0)
-  # Adding 2**pos flips the run of ones starting at `pos` and the zero just above it.
-  zeros_above_pos = jnp.where(idx >= pos, 1 - kept, 0)
-  zeros_before = jnp.cumsum(zeros_above_pos) - zeros_above_pos
-  flip = (idx >= pos) & (zeros_before == 0) & round_up
-  return kept ^ flip.astype(kept.dtype)
+def _f64_to_f32(hi: jax.Array, lo: jax.Array, exponent: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Rounds the float64 ``(hi * 2**29 + lo) * 2**exponent`` to float32, ties to even.
 
-
-def _top_bit(bits: jax.Array) -> jax.Array:
-  """Index of the highest set bit (-1 for zero)."""
-  idx = jnp.arange(bits.shape[0], dtype=jnp.int32)
-  return jnp.max(jnp.where(bits > 0, idx, -1))
-
-
-def _round_f64_then_f32(bits: jax.Array, exponent: jax.Array) -> jax.Array:
-  """``float32(float64(X * 2**exponent))`` for the positive integer ``X`` given as bits.
-
-  Both roundings are to nearest, ties to even. float64's exponent range is treated as unbounded:
-  where it is not (products below 2**-1022 or above 2**1024) float32 gives 0 or inf anyway.
+  float64's exponent range is treated as unbounded: where it is not (below 2**-1022, above
+  2**1024), float32 gives 0 or inf all the same. Returns the float32 significand ``m`` (at most
+  2**24) and biased exponent ``field``; the float32's bits are ``(field << 23) + m`` (a rounding
+  carry of ``m`` moves into the exponent by itself).
   """
-  idx = jnp.arange(bits.shape[0], dtype=jnp.int32)
-  as_f64 = _round_at(bits, jnp.maximum(_top_bit(bits) - 52, 0))  # 53 significant bits
-  # 24 significant bits, or fewer where the result is subnormal (the last bit is 2**-149).
-  pos = jnp.maximum(_top_bit(as_f64) - 23, -149 - exponent)
-  as_f32 = _round_at(as_f64, pos)
-  in_window = (idx >= pos) & (idx < pos + 25)
-  m = jnp.sum(jnp.where(in_window, as_f32 << jnp.clip(idx - pos, 0, 24), 0))  # < 2**25
-  # Biased exponent of m's unit bit. One formula covers normal and subnormal results, and the
-  # carry of m = 2**24 (or 2**23 for subnormals) moves into the exponent field by itself.
-  field = pos + exponent + 149
-  out = (jnp.clip(field, 0, 254).astype(jnp.uint32) << 23) + m.astype(jnp.uint32)
-  out = jnp.where((field > 254) | (out > _F32_INF_BITS), jnp.uint32(_F32_INF_BITS), out)
-  return lax.bitcast_convert_type(out, jnp.float32)
+  carry = hi >> 24  # D == 2**53
+  hi = jnp.where(carry > 0, _u32(1 << 23), hi)
+  exponent = exponent + carry.astype(jnp.int32)
+  # Bits lost below float32's 24 when the result is subnormal (its last bit is 2**-149).
+  k = jnp.clip(-126 - (exponent + 52), 0, 25).astype(jnp.uint32)
+  km1 = jnp.maximum(k, 1) - 1
+  m = hi >> k
+  guard = jnp.where(k == 0, lo >> (_LO_BITS - 1), hi >> km1) & 1
+  sticky = jnp.where(
+      k == 0,
+      (lo & ((1 << (_LO_BITS - 1)) - 1)) != 0,
+      ((hi & ((_u32(1) << km1) - 1)) != 0) | (lo != 0),
+  )
+  m = m + ((guard != 0) & (sticky | ((m & 1) != 0))).astype(jnp.uint32)
+  field = jnp.where(k > 0, 0, exponent + _LO_BITS + 149)
+  return m, field
+
+
+def _assemble_f32(m: jax.Array, field: jax.Array) -> jax.Array:
+  """The float32 with significand ``m`` and biased exponent ``field``; inf past float32's range."""
+  bits = (jnp.clip(field, 0, 255).astype(jnp.uint32) << 23) + m
+  bits = jnp.where((field >= 255) | (bits >= _F32_INF_BITS), _u32(_F32_INF_BITS), bits)
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _with_sign_of(y: jax.Array, x: jax.Array) -> jax.Array:
+  sign = lax.bitcast_convert_type(x, jnp.uint32) & _u32(0x80000000)
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(y, jnp.uint32) | sign, jnp.float32)
 
 
 def _f64_limbs(factor: float) -> tuple[np.ndarray, int]:
-  """A positive finite float64 as five little-endian 12-bit limbs and an exponent."""
+  """A positive finite float64 as five little-endian 12-bit limbs and a binary exponent."""
   mantissa, exponent = math.frexp(factor)
   m = int(mantissa * 2.0**53)  # exact: a float64 has at most 53 significant bits
-  limbs = np.array([(m >> (12 * i)) & 0xFFF for i in range(5)], np.int32)
-  return limbs, exponent - 53
+  return np.array([(m >> (12 * i)) & 0xFFF for i in range(5)], np.uint32), exponent - 53
 
 
 def _mul_f32_f64(x: jax.Array, factor_limbs: jax.Array, factor_exp: jax.Array) -> jax.Array:
-  """``float32(float64(x) * factor)``, torch's ``static_cast<float>(float * double)``."""
+  """``float32(float64(x) * factor)``, torch's ``static_cast<float>(float * double)``.
+
+  The exact product of the 24-bit and the 53-bit significands (77 bits) is built in 12-bit limbs,
+  rounded to 53 bits (float64) and then to float32: two roundings, as in C++.
+  """
   m, e = _decompose_f32(x)
-  s = jnp.stack([m & 0xFFF, m >> 12])  # 24-bit mantissa in two 12-bit limbs
-  f = factor_limbs
-  columns = [s[0] * f[0]]
-  columns += [s[0] * f[k] + s[1] * f[k - 1] for k in range(1, 5)]
-  columns += [s[1] * f[4]]
-  limbs, carry = [], jnp.int32(0)
-  for c in columns:  # each column < 2**26: no int32 overflow
+  a = (m & 0xFFF, m >> 12)
+  f = [factor_limbs[i] for i in range(5)]
+  columns = [a[0] * f[0]] + [a[0] * f[k] + a[1] * f[k - 1] for k in range(1, 5)] + [a[1] * f[4]]
+  p, carry = [], _u32(0)
+  for c in columns:  # every column < 2**26
     c = c + carry
-    limbs.append(c & 0xFFF)
+    p.append(c & 0xFFF)
     carry = c >> 12
-  limbs.append(carry)
-  bits = _limbs_to_bits(jnp.stack(limbs), 12)
-  y = _round_f64_then_f32(bits, e + factor_exp)
-  sign = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x80000000)
-  y = lax.bitcast_convert_type(lax.bitcast_convert_type(y, jnp.uint32) | sign, jnp.float32)
+  p.append(carry)
+  # The product is in [2**75, 2**77): shift it left once where bit 76 is clear.
+  s = _u32(1) - ((p[6] >> 4) & 1)
+  p = [((p[i] << s) & 0xFFF) | ((p[i - 1] >> (_u32(12) - s)) if i else 0) for i in range(7)]
+  # float64 keeps bits 24..76; bit 23 is the guard bit.
+  lo = p[2] | (p[3] << 12) | ((p[4] & 0x1F) << 24)
+  hi = (p[4] >> 5) | (p[5] << 7) | (p[6] << 19)
+  hi, lo = _round_half_even(hi, lo, (p[1] >> 11) & 1, ((p[1] & 0x7FF) | p[0]) != 0)
+  y = _assemble_f32(*_f64_to_f32(hi, lo, e + factor_exp - s.astype(jnp.int32) + 24))
   special = (x == 0) | ~jnp.isfinite(x)  # 0 * f, inf * f and nan * f are x itself (f > 0)
-  return jnp.where(special, x, y)
+  return jnp.where(special, x, _with_sign_of(y, x))
+
+
+def _reciprocal_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``float32(1 / float64(x))`` as ``_f64_to_f32``'s ``(m, field)``, for finite ``x != 0``."""
+  m, e = _decompose_f32(x)
+  # Long division of 2**24 by m: q0 (1, or 2 where m == 2**23), then the fraction in chunks of
+  # at most 8 bits (remainder < m < 2**24, so remainder << 8 fits), a guard bit, and the sticky
+  # remainder.
+  q0 = _u32(1 << 24) // m
+  r = _u32(1 << 24) - q0 * m
+  c = []
+  for size in (8, 8, 8, 8, 8, 8, 4, 1):
+    r = r << size
+    c.append(r // m)
+    r = r - c[-1] * m
+  hi = (q0 << 23) | (c[0] << 15) | (c[1] << 7) | (c[2] >> 1)
+  lo = ((c[2] & 1) << 28) | (c[3] << 20) | (c[4] << 12) | (c[5] << 4) | c[6]
+  hi, lo = _round_half_even(hi, lo, c[7], r != 0)
+  return _f64_to_f32(hi, lo, -76 - e)  # 1 / (m * 2**e) = (2**76 / m) * 2**(-76 - e)
 
 
 def _reciprocal_f32_f64(x: jax.Array) -> jax.Array:
   """``float32(1 / float64(x))``, torch's ``scale.double().reciprocal().float()``."""
-  m, e = _decompose_f32(x)
-  mu = m.astype(jnp.uint32)
-  # Long division of 2**80 by m, eight quotient bits at a time (remainders < m < 2**24).
-  q = jnp.uint32(1 << 24) // mu  # 1 or 2
-  r = jnp.uint32(1 << 24) - q * mu
-  chunks = []
-  for _ in range(7):
-    r = r << 8
-    chunk = r // mu
-    r = r - chunk * mu
-    chunks.append(chunk)
-  sticky = (r != 0).astype(jnp.int32)  # the remainder, as one bit below the quotient
-  bits = jnp.concatenate([
-      sticky[None],
-      _limbs_to_bits(jnp.stack(chunks[::-1]).astype(jnp.int32), 8),
-      _limbs_to_bits(q.astype(jnp.int32)[None], 2),
-  ])
-  # 1/x = 2**-e / m = (2**80 / m) * 2**(-e - 80); the sticky bit shifts everything by one.
-  y = _round_f64_then_f32(bits, -e - 81)
-  sign = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x80000000)
-  y = lax.bitcast_convert_type(lax.bitcast_convert_type(y, jnp.uint32) | sign, jnp.float32)
-  special = (x == 0) | ~jnp.isfinite(x)
-  return jnp.where(special, 1.0 / x, y)
+  return _unscale_factors(x)[2]
+
+
+def _unscale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(a, b, inverse)``: ``g * a * b == g * inverse`` wherever the result is a normal float32.
+
+  ``inverse = float32(1 / float64(scale))`` is torch's. Usually ``a`` is that inverse and
+  ``b == 1``. Above ``scale = 2**126`` the inverse is subnormal, and XLA:CPU and TPUs treat
+  subnormal operands as zero: the gradients would silently vanish. There ``a`` is the inverse
+  times ``2**64`` (a normal float with the same significand) and ``b = 2**-64``.
+  """
+  m, field = _reciprocal_parts(scale)
+  special = (scale == 0) | ~jnp.isfinite(scale)
+  inverse = jnp.where(special, 1.0 / scale, _with_sign_of(_assemble_f32(m, field), scale))
+  subnormal = (field == 0) & ~special
+  raised = _with_sign_of(m.astype(jnp.float32) * jnp.float32(2.0**-85), scale)  # m * 2**-149+64
+  a = jnp.where(subnormal, raised, inverse)
+  b = jnp.where(subnormal, jnp.float32(2.0**-64), jnp.float32(1.0))
+  return a, b, inverse
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,7 +317,9 @@ def _check_args(
     )
   _check_hyperparams(growth_factor, backoff_factor, growth_interval)
   _check_real("init_scale", init_scale)
-  if not 0.0 < float(np.float32(init_scale)) < math.inf:
+  with np.errstate(over="ignore"):
+    as_float32 = float(np.float32(init_scale))
+  if not 0.0 < as_float32 < math.inf:
     raise ValueError(
         "`init_scale` must be > 0 and finite in float32 (at most 3.4028235e38), "
         f"got {init_scale!r}."
@@ -303,15 +365,16 @@ def _tree_found_inf(tree: Any) -> jax.Array:
   return jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
 
 
-def _tree_unscale(tree: Any, inv_scale: jax.Array) -> Any:
-  """``g * inv_scale`` computed in (at least) float32 and cast back to each leaf's dtype."""
+def _tree_unscale(tree: Any, scale: jax.Array) -> Any:
+  """``g * float32(1 / float64(scale))`` in (at least) float32, cast back to each leaf's dtype."""
+  a, b, _ = _unscale_factors(scale)
 
   def unscale(g: Any) -> Any:
     dtype = jnp.result_type(g)
     if not jnp.issubdtype(dtype, jnp.inexact):
       return g
     compute = jnp.promote_types(dtype, jnp.float32)
-    return (jnp.asarray(g, compute) * inv_scale.astype(compute)).astype(dtype)
+    return (jnp.asarray(g, compute) * a.astype(compute) * b.astype(compute)).astype(dtype)
 
   return jax.tree.map(unscale, tree)
 
@@ -380,6 +443,7 @@ def dynamic_loss_scale(
   )
 
   def init_fn(params: optax.Params) -> DynamicLossScaleState:
+    _register_flax_serialization()
     return DynamicLossScaleState(
         scale=jnp.asarray(init_scale if enabled else 1.0, jnp.float32),
         growth_tracker=jnp.zeros([], jnp.int32),
@@ -402,7 +466,7 @@ def dynamic_loss_scale(
     found_inf = _tree_found_inf(updates)
     if axis_name is not None:
       found_inf = lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
-    grads = _tree_unscale(updates, _reciprocal_f32_f64(state.scale))
+    grads = _tree_unscale(updates, state.scale)
 
     def do_update(_: None) -> tuple[optax.Updates, optax.OptState]:
       return inner.update(grads, state.inner_state, params, **extra_args)

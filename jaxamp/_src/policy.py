@@ -93,12 +93,14 @@ class Policy:
   def primitive_category(self, name: str) -> Category:
     return self.table.primitive_categories.get(name, Category.NATIVE)
 
-  def op_category(self, name: str, default: Category | None) -> Category:
-    """The category of a named op region; ``default`` for ops the table does not list."""
+  def op_category(self, name: str, default: Category | None) -> Category | None:
+    """The category of a named op region; ``default`` for ops the table does not list.
+
+    None means the op is a plain composition here (torch decomposes it into listed ops, like
+    ``tensordot`` into ``mm`` on CPU): its primitives follow their own rules.
+    """
     category = self.table.op_categories.get(name)
-    if category is not None:
-      return category
-    return default if default is not None else Category.NATIVE
+    return category if category is not None else default
 
   @property
   def tag(self) -> str:

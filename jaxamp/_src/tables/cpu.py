@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxamp._src.policy import Category, Row, Table, register_table
 
-L, F, P = Category.LOWER, Category.FLOAT32, Category.PROMOTE
+L, F, P, N = Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.NATIVE
 
 ROWS = (
     # --- bfloat16 --------------------------------------------------------------------------------
@@ -64,6 +64,15 @@ ROWS = (
     Row(("multilabel_margin_loss", "multilabel_margin_loss_forward"), F,
         ops=("multilabel_margin_loss",)),
     Row(("ctc_loss",), F, ops=("ctc_loss",)),
+    # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
+    # (ops torch decomposes into listed ones, like tensordot into mm, have no row: their
+    # primitives follow their own rules)
+    Row(("softmax", "softmin", "log_softmax", "softplus", "layer_norm", "group_norm", "norm",
+         "normalize", "dist", "pdist", "renorm", "cosine_similarity", "cross", "gelu", "silu",
+         "elu", "celu", "selu", "logsigmoid", "mish", "glu"), N,
+        ops=("softmax", "softmin", "log_softmax", "softplus", "layer_norm", "group_norm", "norm",
+             "normalize", "dist", "pdist", "renorm", "cosine_similarity", "cross", "gelu", "silu",
+             "elu", "celu", "selu", "log_sigmoid", "mish", "glu")),
     # --- promote to the widest input type -------------------------------------------------------
     Row(("cat", "stack"), P, primitives=("concatenate",)),
     Row(("index_copy",), P, primitives=("scatter",)),

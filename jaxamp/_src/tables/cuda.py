@@ -8,7 +8,8 @@ import jax.numpy as jnp
 
 from jaxamp._src.policy import Category, Row, Table, register_table
 
-L, F, P, X = Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.FORBIDDEN
+L, F, P, N, X = (Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.NATIVE,
+                 Category.FORBIDDEN)
 
 ROWS = (
     # --- float16 ---------------------------------------------------------------------------------
@@ -73,6 +74,10 @@ ROWS = (
         ops=("addcdiv", "addcmul", "cross", "tensordot", "dot", "bilinear")),
     Row(("scatter_add",), P, primitives=("scatter-add", "scatter_add")),
     Row(("index_put",), P, primitives=("scatter",)),
+    # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
+    # (without these rows, gelu's x**3 or elu's expm1 would follow the float32 pow/expm1 rows)
+    Row(("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu"), N,
+        ops=("gelu", "silu", "elu", "celu", "selu", "log_sigmoid", "mish", "glu")),
     # --- raises, as in torch: use binary_cross_entropy_with_logits ------------------------------
     Row(("binary_cross_entropy",), X, ops=("binary_cross_entropy",)),
 )
