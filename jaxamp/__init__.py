@@ -5,6 +5,7 @@
 """
 
 from jaxamp import functional
+from jaxamp._src.accumulation import multi_steps
 from jaxamp._src.autocast import autocast, custom_bwd, custom_fwd
 from jaxamp._src.loss_scale import (
     DynamicLossScaleState,
@@ -25,6 +26,7 @@ __all__ = (
     "dynamic_loss_scale",
     "get_scale",
     "load_state_dict",
+    "multi_steps",
     "scale_loss",
     "state_dict",
     "functional",

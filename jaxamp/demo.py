@@ -1,4 +1,4 @@
-"""jaxamp's demo: one model trained in float32, bfloat16 autocast and float16 autocast + loss scaling.
+"""jaxamp's demo: one model trained in float32, bfloat16 autocast and float16 autocast + scaling.
 
     python -m jaxamp.demo [--steps N] [--out DIR]
 

@@ -1,0 +1,34 @@
+"""Gradient accumulation that survives a non-finite micro-batch, for use around the scaler."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def multi_steps(inner: optax.GradientTransformation, every_k_schedule) -> \
+    optax.GradientTransformationExtraArgs:
+  """``optax.MultiSteps`` whose accumulator restarts from zero after every emitted step.
+
+  Put it around ``dynamic_loss_scale`` to get torch's accumulation behaviour: the scaler sees the
+  accumulated gradients once per ``every_k_schedule`` micro-batches, and one non-finite
+  micro-batch skips the whole accumulated step. optax's own ``MultiSteps`` resets its
+  accumulator by multiplying it with 0, which keeps a NaN: every later step would be skipped.
+
+  Args:
+    inner: the transformation to apply every k micro-batches (usually the scaler).
+    every_k_schedule: k, or a schedule of k, as for ``optax.MultiSteps``.
+
+  Returns:
+    A transformation whose state is an ``optax.MultiStepsState``.
+  """
+  accumulate = optax.MultiSteps(inner, every_k_schedule)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, state = accumulate.update(updates, state, params, **extra_args)
+    restart = state.mini_step == 0
+    acc_grads = jax.tree.map(lambda a: jnp.where(restart, jnp.zeros_like(a), a), state.acc_grads)
+    return updates, state._replace(acc_grads=acc_grads)
+
+  return optax.GradientTransformationExtraArgs(accumulate.init, update_fn)

@@ -1,0 +1,391 @@
+"""`jaxamp.dynamic_loss_scale`: torch's GradScaler update rule as an optax transformation.
+
+Each test states one behaviour of ``update`` (unscale, finite check, skip, back off, grow), of the
+state, of ``enabled=False`` or of the constructor's validation. Updates run under ``jax.jit``.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+
+PARAMS = {"w": jnp.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]]), "b": jnp.array([0.1, -0.2])}
+
+
+def grads_like(params, value=1.0, **overrides):
+  """Gradients equal to ``value`` everywhere, with ``overrides[name][index] = v``."""
+  grads = jax.tree.map(lambda p: jnp.full_like(p, value), params)
+  for name, (index, v) in overrides.items():
+    grads[name] = grads[name].at[index].set(v)
+  return grads
+
+
+def jitted_update(tx):
+  return jax.jit(lambda grads, state, params: tx.update(grads, state, params))
+
+
+def tree_bitwise_equal(a, b):
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+      np.asarray(x).dtype == np.asarray(y).dtype
+      and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+      for x, y in zip(leaves_a, leaves_b, strict=True)
+  )
+
+
+def f32_bits(x):
+  return int(np.asarray(x, np.float32).view(np.uint32))
+
+
+# ------------------------------------------------------------------------------------------------
+# State.
+
+
+def test_init_state_has_torch_defaults():
+  state = jaxamp.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
+  assert isinstance(state, jaxamp.DynamicLossScaleState)
+  assert state.scale.dtype == jnp.float32 and state.scale.shape == () and state.scale == 2.0**16
+  assert state.growth_tracker.dtype == jnp.int32 and state.growth_tracker == 0
+  assert state.found_inf.dtype == jnp.bool_ and not state.found_inf
+  assert state.skipped_steps.dtype == jnp.int32 and state.skipped_steps == 0
+  assert (state.growth_factor, state.backoff_factor, state.growth_interval) == (2.0, 0.5, 2000)
+  assert state.enabled
+
+
+def test_state_is_a_jittable_pytree_whose_hyperparameters_are_static():
+  state = jaxamp.dynamic_loss_scale(optax.adam(0.1), growth_factor=1.1).init(PARAMS)
+  leaves = jax.tree.leaves(state)
+  assert all(isinstance(x, jax.Array) for x in leaves)  # the factors are not leaves
+  out = jax.jit(lambda s: s)(state)
+  assert tree_bitwise_equal(out, state) and out.growth_factor == 1.1
+
+
+def test_scale_stays_float32_whatever_the_gradient_dtypes():
+  params = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.float16)}
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=3.0, growth_interval=1)
+  state = tx.init(params)
+  _, state = jitted_update(tx)(params, state, params)
+  assert state.scale.dtype == jnp.float32 and state.scale == 6.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Unscaling.
+
+
+def test_finite_step_passes_unscaled_gradients_to_the_inner_optimizer():
+  tx = jaxamp.dynamic_loss_scale(optax.identity(), init_scale=1024.0)
+  grads = grads_like(PARAMS, 2048.0, w=((0, 1), -512.0))
+  updates, _ = jitted_update(tx)(grads, tx.init(PARAMS), PARAMS)
+  np.testing.assert_array_equal(updates["w"], [[2.0, -0.5, 2.0], [2.0, 2.0, 2.0]])
+  assert np.array_equal(updates["b"], [2.0, 2.0])
+
+
+def test_unscale_multiplies_by_torch_inverse_float32_of_float64_reciprocal():
+  scale = 3.0  # 1/3 is not a float32: torch uses float32(1 / float64(3.0)), then multiplies
+  tx = jaxamp.dynamic_loss_scale(optax.identity(), init_scale=scale)
+  g = np.random.default_rng(0).standard_normal(64).astype(np.float32) * 1e3
+  updates, _ = jitted_update(tx)({"g": jnp.asarray(g)}, tx.init({"g": g}), None)
+  torch_inverse = np.float32(1.0 / np.float64(scale))
+  np.testing.assert_array_equal(updates["g"], g * torch_inverse)
+
+
+def test_mixed_precision_gradient_leaves_are_unscaled_in_float32_and_keep_their_dtypes():
+  params = {
+      "f32": jnp.ones(4, jnp.float32),
+      "bf16": jnp.ones(4, jnp.bfloat16),
+      "f16": jnp.ones(4, jnp.float16),
+  }
+  tx = jaxamp.dynamic_loss_scale(optax.identity(), init_scale=3.0)
+  raw = np.array([3.0, 1000.0, -7.5, 0.0625], np.float32)
+  grads = {k: jnp.asarray(raw, v.dtype) for k, v in params.items()}
+  updates, state = jitted_update(tx)(grads, tx.init(params), params)
+  inverse = np.float32(1.0 / np.float64(3.0))
+  for name, g in grads.items():
+    assert updates[name].dtype == g.dtype
+    expected = (np.asarray(g, np.float32) * inverse).astype(g.dtype)
+    np.testing.assert_array_equal(np.asarray(updates[name]), expected)
+  assert not state.found_inf
+
+
+def test_huge_scale_whose_inverse_is_subnormal_still_unscales_gradients():
+  # 1 / 3e38 is a subnormal float32: XLA:CPU would flush a subnormal operand to zero.
+  scale = np.float32(3e38)
+  tx = jaxamp.dynamic_loss_scale(optax.identity(), init_scale=float(scale))
+  g = np.array([3e38, -1.5e38, 6e37], np.float32)
+  updates, _ = jitted_update(tx)({"g": jnp.asarray(g)}, tx.init({"g": g}), None)
+  torch_inverse = np.float32(1.0 / np.float64(scale))
+  assert torch_inverse < np.finfo(np.float32).tiny  # subnormal
+  np.testing.assert_array_equal(updates["g"], (g.astype(np.float64) * torch_inverse).astype(
+      np.float32))
+
+
+def test_extra_args_are_forwarded_to_the_inner_transform():
+  def update(updates, state, params=None, *, factor):
+    return jax.tree.map(lambda u: u * factor, updates), state
+
+  inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+  tx = jaxamp.dynamic_loss_scale(inner, init_scale=2.0)
+  step = jax.jit(lambda g, s: tx.update(g, s, None, factor=10.0))
+  updates, _ = step({"g": jnp.array([4.0])}, tx.init(None))
+  assert updates["g"] == 20.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Skipping non-finite steps.
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_non_finite_gradient_skips_the_step_with_zero_updates(bad):
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  updates, state = jitted_update(tx)(grads_like(PARAMS, b=(1, bad)), tx.init(PARAMS), PARAMS)
+  assert state.found_inf
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+
+
+def test_skipped_step_leaves_params_and_adam_state_bit_identical():
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-2), init_scale=4.0)
+  step = jitted_update(tx)
+  state = tx.init(PARAMS)
+  _, state = step(grads_like(PARAMS, 3.0), state, PARAMS)  # a real step: adam moments nonzero
+  updates, skipped = step(grads_like(PARAMS, 3.0, w=((1, 2), np.nan)), state, PARAMS)
+  new_params = optax.apply_updates(PARAMS, updates)
+  assert tree_bitwise_equal(new_params, PARAMS)
+  assert tree_bitwise_equal(skipped.inner_state, state.inner_state)
+  assert skipped.inner_state[0].count == 1  # the step count did not advance
+
+
+def test_skipped_step_does_not_advance_learning_rate_schedules():
+  schedule = optax.linear_schedule(1.0, 0.0, transition_steps=4)
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(schedule), init_scale=1.0)
+  step = jitted_update(tx)
+  state = tx.init(PARAMS)
+  for bad in (np.inf, np.inf, np.inf):
+    _, state = step(grads_like(PARAMS, b=(0, bad)), state, PARAMS)
+  updates, _ = step(grads_like(PARAMS, float(state.scale)), state, PARAMS)  # unscaled: 1.0
+  assert np.all(np.asarray(updates["b"]) == -1.0)  # -1.0 * the schedule's first value
+
+
+def test_overflow_in_one_float16_leaf_skips_every_leaf():
+  params = {"f32": jnp.ones(3), "f16": jnp.ones(3, jnp.float16)}
+  grads = {"f32": jnp.ones(3), "f16": jnp.array([1.0, 7e4, 1.0]).astype(jnp.float16)}  # inf
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0))
+  updates, state = jitted_update(tx)(grads, tx.init(params), params)
+  assert state.found_inf and not np.any(np.asarray(updates["f32"]))
+
+
+def test_found_inf_and_skipped_steps_report_the_last_and_all_skips():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  step = jitted_update(tx)
+  state = tx.init(PARAMS)
+  seen = []
+  for bad in (None, np.inf, np.nan, None):
+    grads = grads_like(PARAMS) if bad is None else grads_like(PARAMS, b=(0, bad))
+    _, state = step(grads, state, PARAMS)
+    seen.append((bool(state.found_inf), int(state.skipped_steps)))
+  assert seen == [(False, 0), (True, 1), (True, 2), (False, 2)]
+
+
+def test_skipped_steps_counter_saturates_instead_of_wrapping():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init(PARAMS)._replace(skipped_steps=jnp.int32(np.iinfo(np.int32).max))
+  _, state = jitted_update(tx)(grads_like(PARAMS, b=(0, np.inf)), state, PARAMS)
+  assert state.skipped_steps == np.iinfo(np.int32).max
+
+
+def test_update_needs_no_host_transfer():
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
+  step = jitted_update(tx)
+  state, grads = tx.init(PARAMS), grads_like(PARAMS, b=(0, np.nan))
+  step(grads, state, PARAMS)  # compile
+  with jax.transfer_guard("disallow"):
+    _, state = step(grads, state, PARAMS)
+  assert state.found_inf
+
+
+# ------------------------------------------------------------------------------------------------
+# The scale: back off and growth.
+
+
+def test_overflow_backs_off_the_scale_and_resets_the_growth_tracker():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1000.0, growth_interval=5)
+  step = jitted_update(tx)
+  state = tx.init(PARAMS)
+  _, state = step(grads_like(PARAMS), state, PARAMS)
+  assert state.growth_tracker == 1
+  _, state = step(grads_like(PARAMS, w=((0, 0), np.inf)), state, PARAMS)
+  assert state.scale == 500.0 and state.growth_tracker == 0
+
+
+def test_scale_grows_after_growth_interval_consecutive_finite_steps():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0, growth_interval=3)
+  step = jitted_update(tx)
+  state = tx.init(PARAMS)
+  history = []
+  for _ in range(7):
+    _, state = step(grads_like(PARAMS), state, PARAMS)
+    history.append((float(state.scale), int(state.growth_tracker)))
+  assert history == [(8, 1), (8, 2), (16, 0), (16, 1), (16, 2), (32, 0), (32, 1)]
+
+
+def test_growth_that_would_overflow_float32_keeps_the_old_scale():
+  big = float(np.float32(2.0**127))
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=big, growth_interval=1)
+  _, state = jitted_update(tx)(grads_like(PARAMS), tx.init(PARAMS), PARAMS)
+  assert state.scale == big and state.growth_tracker == 0
+
+
+def test_backoff_has_no_floor_and_can_reach_zero():
+  tiny = float(np.float32(1.4e-45))  # the smallest subnormal float32
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=tiny)
+  _, state = jitted_update(tx)(grads_like(PARAMS, b=(0, np.nan)), tx.init(PARAMS), PARAMS)
+  assert state.scale == 0.0  # 2**-150 rounds to even: zero, as in torch
+
+
+@pytest.mark.parametrize(
+    "init_scale, factor", [(65536.0, 1.1), (1e38, 1.1), (3e-39, 16.0), (12345.678, 0.3),
+                           (1e-30, 0.3), (7e-45, 0.3), (3.4028234e38, 0.25)]
+)
+def test_scale_updates_round_the_float64_product_to_float32_like_torch(init_scale, factor):
+  grow = factor > 1
+  tx = jaxamp.dynamic_loss_scale(
+      optax.sgd(0.1), init_scale=init_scale, growth_interval=1,
+      growth_factor=factor if grow else 2.0, backoff_factor=0.5 if grow else factor,
+  )
+  step = jitted_update(tx)
+  state = tx.init(PARAMS)
+  grads = grads_like(PARAMS) if grow else grads_like(PARAMS, b=(0, np.inf))
+  expected = np.float32(init_scale)
+  for _ in range(3):
+    _, state = step(grads, state, PARAMS)
+    product = np.float32(np.float64(expected) * factor)  # torch: float(float * double)
+    expected = product if np.isfinite(product) else expected
+    assert f32_bits(state.scale) == f32_bits(expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# enabled=False.
+
+
+def test_disabled_scaler_is_an_exact_pass_through_of_the_inner_optimizer():
+  inner = optax.adam(1e-2)
+  tx = jaxamp.dynamic_loss_scale(inner, enabled=False)
+  state, inner_state = tx.init(PARAMS), inner.init(PARAMS)
+  for grads in (grads_like(PARAMS, 3.0), grads_like(PARAMS, 2.0, b=(0, np.inf))):
+    updates, state = jitted_update(tx)(grads, state, PARAMS)
+    expected, inner_state = jitted_update(inner)(grads, inner_state, PARAMS)
+    assert tree_bitwise_equal(updates, expected)  # nothing unscaled, nothing skipped
+    assert tree_bitwise_equal(state.inner_state, inner_state)
+  assert jaxamp.get_scale(state) == 1.0 and jaxamp.state_dict(state) == {}
+  assert not state.found_inf and state.skipped_steps == 0
+
+
+def test_disabled_scaler_leaves_the_loss_unscaled():
+  state = jaxamp.dynamic_loss_scale(optax.sgd(0.1), enabled=False).init(PARAMS)
+  loss = jnp.float16(3.0)
+  assert jaxamp.scale_loss(loss, state) is loss
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation.
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(growth_factor=1.0), ValueError, r"`growth_factor` must be > 1.0 .*got 1.0"),
+        (dict(growth_factor=0.5), ValueError, r"`growth_factor` must be > 1.0 .*got 0.5"),
+        (dict(growth_factor=math.inf), ValueError, r"`growth_factor` .*finite.*got inf"),
+        (dict(growth_factor="2"), TypeError, r"`growth_factor` must be a real number.*'2'"),
+        (dict(growth_factor=True), TypeError, r"`growth_factor` must be a real number.*True"),
+        (dict(backoff_factor=1.0), ValueError, r"`backoff_factor` must satisfy 0 < .* < 1.*1.0"),
+        (dict(backoff_factor=0.0), ValueError, r"`backoff_factor` must satisfy 0 < .* < 1.*0.0"),
+        (dict(backoff_factor=-0.5), ValueError, r"`backoff_factor` .*got -0.5"),
+        (dict(growth_interval=0), ValueError, r"`growth_interval` must be an int in \[1, .*got 0"),
+        (dict(growth_interval=2.5), TypeError, r"`growth_interval` must be an int.*2.5"),
+        (dict(growth_interval=True), TypeError, r"`growth_interval` must be an int.*bool.*True"),
+        (dict(init_scale=0.0), ValueError, r"`init_scale` must be > 0 and finite.*got 0.0"),
+        (dict(init_scale=-1.0), ValueError, r"`init_scale` must be > 0.*got -1.0"),
+        (dict(init_scale=math.inf), ValueError, r"`init_scale` must be > 0 and finite.*inf"),
+        (dict(init_scale=math.nan), ValueError, r"`init_scale` must be > 0 and finite.*nan"),
+        (dict(init_scale=1e39), ValueError, r"`init_scale` .*finite in float32.*1e\+39"),
+        (dict(enabled="yes"), TypeError, r"`enabled` must be a bool.*'yes'"),
+    ],
+)
+def test_invalid_arguments_are_rejected_naming_the_argument(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    jaxamp.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+
+
+def test_inner_must_be_an_optax_gradient_transformation():
+  with pytest.raises(TypeError, match=r"`inner` must be an optax GradientTransformation.*function"):
+    jaxamp.dynamic_loss_scale(lambda g: g)
+
+
+def test_multisteps_object_is_rejected_with_a_hint():
+  with pytest.raises(TypeError, match=r"`inner`.*MultiSteps.*gradient_transformation\(\)"):
+    jaxamp.dynamic_loss_scale(optax.MultiSteps(optax.sgd(0.1), 2))
+
+
+# ------------------------------------------------------------------------------------------------
+# axis_name: every shard takes the same decision.
+
+_SHARD_MAP_SCRIPT = textwrap.dedent(
+    """
+    import json, jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jaxamp
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    params = {"w": jnp.ones(8)}  # each shard owns 2 entries (sharded parameters)
+    tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, axis_name="data")
+    state = tx.init(params)
+
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=({"w": P("data")}, P(), {"w": P("data")}),
+        out_specs=({"w": P("data")}, P()), check_vma=False))
+    grads = {"w": jnp.full(8, 4.0).at[5].set(jnp.inf)}  # only shard 2 overflows
+    new_params, new_state = step(params, state, grads)
+    finite_params, finite_state = step(params, state, {"w": jnp.full(8, 4.0)})
+    print(json.dumps({
+        "devices": len(jax.devices()),
+        "params": np.asarray(new_params["w"]).tolist(),
+        "found_inf": bool(new_state.found_inf),
+        "scale": float(new_state.scale),
+        "finite_params": np.asarray(finite_params["w"]).tolist(),
+        "finite_scale": float(finite_state.scale),
+    }))
+    """
+)
+
+
+def run_on_four_cpu_devices(script):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=120, check=False)
+  assert out.returncode == 0, out.stderr
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_axis_name_makes_every_shard_skip_when_one_shard_overflows():
+  result = run_on_four_cpu_devices(_SHARD_MAP_SCRIPT)
+  assert result["devices"] == 4
+  assert result["found_inf"] and result["scale"] == 2.0
+  assert result["params"] == [1.0] * 8  # no shard stepped, not even the finite ones
+  assert result["finite_params"] == [0.0] * 8 and result["finite_scale"] == 4.0

@@ -1,0 +1,330 @@
+"""The recipes of ``docs/loss_scaling.md`` (torch's "Gradient Scaling Examples"), one test each.
+
+Clipping unscaled gradients, gradient accumulation with ``optax.MultiSteps`` around and inside the
+scaler, several losses, gradient penalty, checkpoints (orbax and ``state_dict``) and data
+parallelism over several devices.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxamp
+
+RNG = np.random.default_rng(0)
+PARAMS = {"w": jnp.asarray(RNG.standard_normal(3), jnp.float32), "b": jnp.float32(0.1)}
+X = jnp.asarray(RNG.standard_normal((8, 3)), jnp.float32)
+Y = jnp.asarray(RNG.standard_normal(8), jnp.float32)
+
+
+def loss_fn(params, x=X, y=Y):
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def make_train_step(tx, loss=loss_fn):
+  @jax.jit
+  def train_step(params, opt_state, *batch):
+    grads = jax.grad(lambda p: jaxamp.scale_loss(loss(p, *batch), opt_state))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return train_step
+
+
+def poisoned(x):
+  return x.at[0, 0].set(jnp.inf)
+
+
+def assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ------------------------------------------------------------------------------------------------
+# Clipping: the clip inside the wrapped optimizer sees unscaled gradients.
+
+
+def test_recipe_clip_unscaled_gradients_inside_the_wrapped_optimizer():
+  tx = jaxamp.dynamic_loss_scale(
+      optax.chain(optax.clip_by_global_norm(0.2), optax.sgd(1.0)), init_scale=2.0**16)
+  opt_state = tx.init(PARAMS)
+  params, _ = make_train_step(tx)(PARAMS, opt_state)
+  grads = jax.grad(loss_fn)(PARAMS)
+  norm = optax.tree.norm(grads)
+  assert norm > 0.2  # the clip is active, and it clipped the unscaled norm to 0.2
+  step = jax.tree.map(lambda a, b: b - a, PARAMS, params)
+  np.testing.assert_allclose(optax.tree.norm(step), 0.2, rtol=1e-5)
+  for name in PARAMS:
+    np.testing.assert_allclose(step[name], -grads[name] * 0.2 / norm, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gradient accumulation.
+
+
+def micro_batches(n, bad=()):
+  """n micro-batches of 2 examples; those in ``bad`` contain an Inf."""
+  xs = [X[2 * (i % 4):2 * (i % 4) + 2] for i in range(n)]
+  ys = [Y[2 * (i % 4):2 * (i % 4) + 2] for i in range(n)]
+  return [(poisoned(x) if i in bad else x, y) for i, (x, y) in enumerate(zip(xs, ys, strict=True))]
+
+
+def test_recipe_multisteps_around_the_scaler_skips_the_whole_accumulated_step_like_torch():
+  tx = jaxamp.multi_steps(jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0), 4)
+  train_step = make_train_step(tx)
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  scales = []
+  for x, y in micro_batches(12, bad={1}):  # three windows of 4; the first one overflows
+    params, opt_state = train_step(params, opt_state, x, y)
+    scales.append(float(jaxamp.get_scale(opt_state)))
+  assert scales == [8.0] * 3 + [4.0] * 8 + [4.0]  # one back-off, at the end of window 1
+  assert int(opt_state.inner_opt_state.skipped_steps) == 1
+  # Windows 2 and 3 stepped with the mean gradient of their 4 micro-batches.
+  expected = PARAMS
+  for _ in range(2):
+    mean = jax.tree.map(lambda *g: sum(g) / 4, *[
+        jax.grad(loss_fn)(expected, x, y) for x, y in micro_batches(4)])
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, expected, mean)
+  for name in PARAMS:
+    np.testing.assert_allclose(params[name], expected[name], rtol=1e-5)
+
+
+def test_plain_optax_multisteps_keeps_a_nan_accumulator_after_an_overflow():
+  # Why the recipe wraps MultiSteps: without the reset every later window is skipped too.
+  tx = optax.MultiSteps(jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0), 2)
+  train_step = make_train_step(tx)
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  for x, y in micro_batches(6, bad={1}):
+    params, opt_state = train_step(params, opt_state, x, y)
+  assert int(opt_state.inner_opt_state.skipped_steps) == 3
+  assert np.isnan(np.asarray(opt_state.acc_grads["w"])).all()
+
+
+def test_recipe_multisteps_inside_the_scaler_drops_only_the_bad_micro_batch():
+  inner = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4).gradient_transformation()
+  tx = jaxamp.dynamic_loss_scale(inner, init_scale=8.0)
+  train_step = make_train_step(tx)
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  batches = micro_batches(5, bad={1})
+  for x, y in batches[:2]:
+    params, opt_state = train_step(params, opt_state, x, y)
+  assert float(jaxamp.get_scale(opt_state)) == 4.0  # backed off at once, mid-window
+  assert int(opt_state.inner_state.mini_step) == 1  # the bad micro-batch was not counted
+  for x, y in batches[2:]:
+    params, opt_state = train_step(params, opt_state, x, y)
+  good = [b for i, b in enumerate(batches) if i != 1]
+  mean = jax.tree.map(lambda *g: sum(g) / 4, *[jax.grad(loss_fn)(PARAMS, x, y) for x, y in good])
+  for name in PARAMS:
+    np.testing.assert_allclose(params[name], PARAMS[name] - 0.1 * mean[name], rtol=1e-5)
+
+
+def test_multisteps_around_the_scaler_matches_torch_gradient_accumulation():
+  torch = pytest.importorskip("torch")
+  batches = micro_batches(12, bad={5})
+  k, lr = 4, 0.1
+  # torch's recipe: scaler.scale(loss / k).backward() per micro-batch, step + update per window.
+  w = torch.tensor(np.asarray(PARAMS["w"]), requires_grad=True)
+  b = torch.tensor(np.asarray(PARAMS["b"]), requires_grad=True)
+  opt = torch.optim.SGD([w, b], lr=lr)
+  scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_factor=1.1, growth_interval=1)
+  torch_scales = []
+  for i, (x, y) in enumerate(batches):
+    x, y = torch.tensor(np.asarray(x)), torch.tensor(np.asarray(y))
+    scaler.scale(((x @ w + b - y) ** 2).mean() / k).backward()
+    if (i + 1) % k == 0:
+      scaler.step(opt)
+      scaler.update()
+      opt.zero_grad()
+      torch_scales.append(scaler.get_scale())
+  scaler = jaxamp.dynamic_loss_scale(optax.sgd(lr), init_scale=8.0, growth_factor=1.1,
+                                     growth_interval=1)
+  tx = jaxamp.multi_steps(scaler, k)
+  train_step = make_train_step(tx)
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  scales = []
+  for i, (x, y) in enumerate(batches):
+    params, opt_state = train_step(params, opt_state, x, y)
+    if (i + 1) % k == 0:
+      scales.append(float(jaxamp.get_scale(opt_state)))
+  assert scales == torch_scales  # [8.8, 4.4, 4.84]: grow, skip and back off, grow
+  np.testing.assert_allclose(params["w"], w.detach().numpy(), rtol=1e-5)
+  np.testing.assert_allclose(params["b"], b.detach().numpy(), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Several losses, gradient penalty.
+
+
+def test_recipe_several_losses_are_scaled_by_the_same_scale_and_summed():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=1024.0)
+  opt_state = tx.init(PARAMS)
+  loss0 = lambda p: loss_fn(p)
+  loss1 = lambda p: jnp.sum(p["w"] ** 2)
+
+  def scaled_total(p):  # torch: scaler.scale(loss0).backward(); scaler.scale(loss1).backward()
+    scaled = jaxamp.scale_loss((loss0(p), loss1(p)), opt_state)
+    return scaled[0] + scaled[1]
+
+  updates, _ = jax.jit(tx.update)(jax.grad(scaled_total)(PARAMS), opt_state, PARAMS)
+  expected = jax.grad(lambda p: loss0(p) + loss1(p))(PARAMS)
+  for name in PARAMS:
+    np.testing.assert_allclose(updates[name], -expected[name], rtol=1e-5)
+
+
+def test_recipe_gradient_penalty_unscales_the_inner_gradients_by_dividing_by_the_scale():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=1024.0)
+  opt_state = tx.init(PARAMS)
+
+  @jax.jit
+  def penalized_grads(params, opt_state):
+    def total(p):
+      scaled_grads = jax.grad(lambda q: jaxamp.scale_loss(loss_fn(q), opt_state))(p)
+      grads = jax.tree.map(lambda g: g / jaxamp.get_scale(opt_state), scaled_grads)
+      penalty = optax.tree.norm(grads)
+      return jaxamp.scale_loss(loss_fn(p) + penalty, opt_state)
+
+    return jax.grad(total)(params)
+
+  updates, _ = jax.jit(tx.update)(penalized_grads(PARAMS, opt_state), opt_state, PARAMS)
+  expected = jax.grad(lambda p: loss_fn(p) + optax.tree.norm(jax.grad(loss_fn)(p)))(PARAMS)
+  for name in PARAMS:
+    np.testing.assert_allclose(updates[name], -expected[name], rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints.
+
+
+def train_a_few_steps(tx, n=4):
+  train_step = make_train_step(tx)
+  params, opt_state = PARAMS, tx.init(PARAMS)
+  for i in range(n):
+    params, opt_state = train_step(params, opt_state, poisoned(X) if i == 1 else X, Y)
+  return train_step, params, opt_state
+
+
+def test_recipe_checkpoint_round_trip_with_orbax(tmp_path):
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-2), init_scale=1024.0, growth_factor=1.1,
+                                 growth_interval=2)
+  train_step, params, opt_state = train_a_few_steps(tx)
+  assert jaxamp.state_dict(opt_state)["scale"] != 1024.0
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "step_4", {"params": params, "opt_state": opt_state})
+    checkpointer.wait_until_finished()
+    target = {"params": PARAMS, "opt_state": tx.init(PARAMS)}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    restored = checkpointer.restore(tmp_path / "step_4", abstract)
+  assert_trees_equal(restored, {"params": params, "opt_state": opt_state})
+  continued = train_step(params, opt_state, X, Y)
+  resumed = train_step(restored["params"], restored["opt_state"], X, Y)
+  assert_trees_equal(resumed, continued)
+
+
+def test_recipe_checkpoint_round_trip_with_state_dict():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0, growth_interval=3)
+  train_step, params, opt_state = train_a_few_steps(tx)
+  saved = json.dumps(jaxamp.state_dict(opt_state))  # e.g. next to a torch checkpoint
+  fresh = tx.init(params)._replace(inner_state=opt_state.inner_state)
+  restored = jaxamp.load_state_dict(fresh, json.loads(saved))
+  assert jaxamp.state_dict(restored) == jaxamp.state_dict(opt_state)
+  for _ in range(3):
+    p1, opt_state = train_step(params, opt_state, X, Y)
+    p2, restored = train_step(params, restored, X, Y)
+    assert_trees_equal(p1, p2)
+    params = p1
+  assert jaxamp.state_dict(restored) == jaxamp.state_dict(opt_state)
+
+
+def test_recipe_checkpoint_round_trip_with_flax_serialization():
+  from flax import serialization
+  from flax.training import train_state
+
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-2), init_scale=1024.0, growth_factor=1.1)
+  state = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+  state = state.replace(opt_state=train_a_few_steps(tx)[2])
+  data = serialization.to_bytes(state)  # msgpack, hyperparameters included
+  target = train_state.TrainState.create(apply_fn=None, params=PARAMS,
+                                         tx=jaxamp.dynamic_loss_scale(optax.adam(1e-2)))
+  restored = serialization.from_bytes(target, data)
+  assert jaxamp.state_dict(restored) == jaxamp.state_dict(state)
+  assert_trees_equal(restored.opt_state, state.opt_state)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data parallelism.
+
+_DATA_PARALLEL_SCRIPT = textwrap.dedent(
+    """
+    import json, jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jaxamp
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal(3), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((16, 3)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal(16), jnp.float32)
+    tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0, growth_interval=2,
+                                   axis_name="data")
+
+    def loss_fn(p, x, y):
+      return jnp.mean((x @ p["w"] - y) ** 2)
+
+    def train_step(params, opt_state, x, y):  # per device: its 4 examples
+      # The loss is the mean over all devices; the gradient of the replicated params is then
+      # the global one on every device (shard_map's psum of the per-device contributions).
+      global_loss = lambda p: jax.lax.pmean(loss_fn(p, x, y), "data")
+      grads = jax.grad(lambda p: jaxamp.scale_loss(global_loss(p), opt_state))(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    dp_step = jax.jit(jax.shard_map(
+        train_step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+        out_specs=(P(), P())))
+    single_tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0, growth_interval=2)
+
+    @jax.jit
+    def single_step(params, opt_state, x, y):
+      grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, x, y), opt_state))(params)
+      updates, opt_state = single_tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    p1, s1 = params, tx.init(params)
+    p2, s2 = params, single_tx.init(params)
+    log = []
+    for i in range(4):
+      xi = x.at[13, 1].set(jnp.inf) if i == 1 else x  # device 3's shard overflows at step 1
+      p1, s1 = dp_step(p1, s1, xi, y)
+      p2, s2 = single_step(p2, s2, xi, y)
+      log.append([float(s1.scale), bool(s1.found_inf), float(s2.scale)])
+    print(json.dumps({
+        "devices": len(jax.devices()), "log": log,
+        "dp": np.asarray(p1["w"]).tolist(), "single": np.asarray(p2["w"]).tolist(),
+    }))
+    """
+)
+
+
+def test_recipe_data_parallel_training_with_shard_map_and_axis_name():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  out = subprocess.run([sys.executable, "-c", _DATA_PARALLEL_SCRIPT], env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["devices"] == 4
+  assert result["log"] == [[1024.0, False, 1024.0], [512.0, True, 512.0],
+                           [512.0, False, 512.0], [1024.0, False, 1024.0]]
+  np.testing.assert_allclose(result["dp"], result["single"], rtol=1e-5)
