@@ -42,6 +42,7 @@ def test_conv_runs_in_the_low_dtype(device_type, low):
 
 def test_default_dtypes_follow_torch():
   assert jaxamp.get_autocast_dtype("cuda") == jnp.float16
+  assert jaxamp.get_autocast_dtype("xpu") == jnp.float16
   assert jaxamp.get_autocast_dtype("cpu") == jnp.bfloat16
   assert jaxamp.autocast(lambda x, w: x @ w, device_type="cuda")(X, W).dtype == jnp.float16
 
@@ -60,6 +61,7 @@ def test_device_type_none_picks_the_default_backend():
 def test_is_autocast_available_names_the_policies():
   assert jaxamp.is_autocast_available("cuda")
   assert jaxamp.is_autocast_available("cpu")
+  assert jaxamp.is_autocast_available("xpu")
   assert not jaxamp.is_autocast_available("tpu")
 
 
@@ -76,6 +78,13 @@ def test_cuda_float32_list_runs_in_float32(op):
 def test_cpu_unlisted_ops_stay_in_bfloat16(op):
   fun = jaxamp.autocast(lambda x, w: op(x @ w), device_type="cpu")
   assert fun(X, W).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("op", [jnp.expm1, jnp.prod, jnp.cosh, jnp.tan])
+def test_xpu_runs_ops_missing_from_its_float32_list_in_the_input_dtype(op):
+  fun = jaxamp.autocast(lambda x, w: op(x @ w), device_type="xpu")
+  assert fun(X, W).dtype == jnp.float16
+  assert jaxamp.autocast(lambda x, w: op(x @ w), device_type="cuda")(X, W).dtype == jnp.float32
 
 
 def test_cpu_float32_list_runs_in_float32():

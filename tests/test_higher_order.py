@@ -14,7 +14,8 @@ W = jnp.ones((8, 8)) * 0.1
 KERNEL = jnp.ones((3, 3, 8, 8)) * 0.1
 
 # (device_type, dot/conv dtype, dtype exp and reduce_sum run in when fed by a dot)
-POLICIES = [("cuda", jnp.float16, jnp.float32), ("cpu", jnp.bfloat16, jnp.bfloat16)]
+POLICIES = [("cuda", jnp.float16, jnp.float32), ("xpu", jnp.float16, jnp.float32),
+            ("cpu", jnp.bfloat16, jnp.bfloat16)]
 
 
 def block(x, w):

@@ -15,6 +15,10 @@ NOT_APPLICABLE: dict[str, dict[str, str]] = {
         "grid_sample": "JAX has no grid sampler (jax.scipy.ndimage.map_coordinates differs); "
                        "its elementwise JAX composites promote natively.",
     },
+    "xpu": {
+        "grid_sample": "JAX has no grid sampler (jax.scipy.ndimage.map_coordinates differs); "
+                       "its elementwise JAX composites promote natively.",
+    },
     "cpu": {
         "grid_sampler": "JAX has no grid sampler.",
         "grid_sampler_2d": "JAX has no grid sampler.",

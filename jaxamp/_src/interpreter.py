@@ -186,14 +186,34 @@ def _last_uses(jaxpr) -> dict[int, list]:
 
 
 def _eval_eqn(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
-  marks = _marks(eqn, ctx)
+  marks = regions.marks_of(eqn)
   if marks.kept:
     return _bind_traced_dtypes(eqn, env), None
-  if marks.op is not None:
-    category = ctx.policy.op_category(marks.op.name, marks.op.default)
-    if category is not None or marks.op.cast_to is not None:
-      return _eval_in_op(eqn, env, ctx, marks.op, category), marks.op.instance
+  op, category = _enclosing_op(marks, ctx)
+  if op is not None:
+    return _eval_in_op(eqn, env, ctx, op, category), op.instance
   return _eval_by_primitive(eqn, env, ctx), None
+
+
+def _enclosing_op(marks: regions.Marks, ctx: Context):
+  """The outermost op region around the eqn that the policy gives a category, and that category.
+
+  An op the table does not list is a plain composition (torch decomposes it into listed ops):
+  the search goes on inward, and without any listed op the eqn follows its primitive's rule.
+  """
+  if ctx.op is not None:
+    return ctx.op, _op_category(ctx.op, ctx.policy)
+  for op in marks.ops:
+    category = _op_category(op, ctx.policy)
+    if category is not None:
+      return op, category
+  return None, None
+
+
+def _op_category(op: regions.OpRegion, policy: Policy) -> Category | None:
+  if op.cast_to is not None:
+    return Category.NATIVE  # custom_fwd(cast_inputs=...): cast on entry, autocast off inside
+  return policy.op_category(op.name, op.default)
 
 
 def _bind_traced_dtypes(eqn, env: Env) -> list[Any]:
@@ -204,15 +224,6 @@ def _bind_traced_dtypes(eqn, env: Env) -> list[Any]:
 
 def _is_float(atom) -> bool:
   return _is_eligible(atom.aval.dtype)
-
-
-def _marks(eqn, ctx: Context) -> regions.Marks:
-  own = regions.marks_of(eqn)
-  if own.kept:
-    return own
-  if ctx.op is not None:
-    return regions.Marks(False, ctx.op)
-  return own
 
 
 def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion,

@@ -137,7 +137,7 @@ def get_table(device_type: str) -> Table:
 
 
 def _load_tables() -> None:
-  from jaxamp._src.tables import cpu, cuda  # noqa: F401  (registers the tables)
+  from jaxamp._src.tables import cpu, cuda, xpu  # noqa: F401  (registers the tables)
 
 
 def default_device_type() -> str:

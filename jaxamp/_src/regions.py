@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import compat
@@ -135,44 +136,43 @@ _library_ops: dict[str, list[tuple[str, str]]] = {}
 def register_library_op(path_suffix: str, function: str, name: str) -> None:
   """Treats eqns traced inside ``function`` of a file ending in ``path_suffix`` as op ``name``."""
   _library_ops.setdefault(function, []).append((path_suffix, name))
-  _library_op.cache_clear()
+  _library_ops_of.cache_clear()
 
 
 class Marks(NamedTuple):
-  """What an eqn's provenance says: kept, or inside an op region (or neither)."""
+  """What an eqn's provenance says: kept, and the op regions around it, outermost first."""
 
   kept: bool
-  op: OpRegion | None
+  ops: tuple[OpRegion, ...]
 
 
-NO_MARKS = Marks(False, None)
+NO_MARKS = Marks(False, ())
 
 
 def marks_of(eqn) -> Marks:
   """The region marks of one eqn, from its name stack and its traceback."""
   scopes = compat.name_scopes(eqn)
   if KEPT_MARK in scopes:
-    return Marks(True, None)
-  for scope in scopes:  # outermost first: the widest op wins
-    if scope.startswith(_OP_PREFIX):
-      name = scope[len(_OP_PREFIX):].rpartition("#")[0]
-      cast_to = None
-      if name.startswith(_CUSTOM_FWD):
-        import jax.numpy as jnp
-
-        cast_to = jnp.dtype(name[len(_CUSTOM_FWD):])
-      return Marks(False, OpRegion(name, scope, _user_defaults.get(name), cast_to))
-  op = _library_op(compat.traceback_frames(eqn))
-  return Marks(False, op) if op is not None else NO_MARKS
+    return Marks(True, ())
+  named = tuple(_named_op(scope) for scope in scopes if scope.startswith(_OP_PREFIX))
+  library = _library_ops_of(compat.traceback_frames(eqn))
+  return Marks(False, named + library) if named or library else NO_MARKS
 
 
 @functools.lru_cache(maxsize=4096)
-def _library_op(frames: tuple[tuple[str, str, int], ...]) -> OpRegion | None:
-  """The outermost recognised library function among ``frames`` (innermost first)."""
-  found = None
+def _named_op(scope: str) -> OpRegion:
+  name = scope[len(_OP_PREFIX):].rpartition("#")[0]
+  cast_to = np.dtype(jnp.dtype(name[len(_CUSTOM_FWD):])) if name.startswith(_CUSTOM_FWD) else None
+  return OpRegion(name, scope, _user_defaults.get(name), cast_to)
+
+
+@functools.lru_cache(maxsize=4096)
+def _library_ops_of(frames: tuple[tuple[str, str, int], ...]) -> tuple[OpRegion, ...]:
+  """The recognised library functions among ``frames`` (innermost first), outermost first."""
+  found = []
   for index, (file_name, function, _) in enumerate(frames):
     for suffix, name in _library_ops.get(function, ()):
       if file_name.endswith(suffix):
         caller = frames[index + 1] if index + 1 < len(frames) else ("", "", 0)
-        found = OpRegion(name, f"{name}@{caller}", None)
-  return found
+        found.append(OpRegion(name, f"{name}@{caller}", None))
+  return tuple(reversed(found))
