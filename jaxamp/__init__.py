@@ -7,6 +7,7 @@
 from jaxamp import functional
 from jaxamp._src.accumulation import multi_steps
 from jaxamp._src.autocast import autocast, custom_bwd, custom_fwd
+from jaxamp._src.explain import Decision, Explanation, explain
 from jaxamp._src.loss_scale import (
     DynamicLossScaleState,
     dynamic_loss_scale,
@@ -22,8 +23,11 @@ __version__ = "0.1.0"
 
 __all__ = (
     "Category",
+    "Decision",
+    "Explanation",
     "DynamicLossScaleState",
     "dynamic_loss_scale",
+    "explain",
     "get_scale",
     "load_state_dict",
     "multi_steps",

@@ -61,7 +61,7 @@ def _wrap(fun: Callable, settings: policy.Policy | None) -> Callable:
     with regions.kept_region():
       if settings is None:
         return fun(*args, **kwargs)
-      return _call(fun, settings, args, kwargs)
+      return call(fun, settings, args, kwargs)
 
   autocast_fun.__wrapped__ = fun
   return autocast_fun
@@ -71,7 +71,8 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
-def _call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> Any:
+def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> Any:
+  """Calls ``fun`` on ``args`` and ``kwargs`` with ``settings``' autocast."""
   leaves, in_tree = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
   static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_array(leaf))
@@ -153,6 +154,6 @@ def custom_bwd(fun: Callable) -> Callable:
     settings = higher_order.backward_policy()
     if settings is None:
       return fun(*args, **kwargs)
-    return _call(fun, settings, args, kwargs)
+    return call(fun, settings, args, kwargs)
 
   return wrapped

@@ -20,7 +20,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxamp._src import compat
-from jaxamp._src.interpreter import Context, Env, evaluate, register_higher_order
+from jaxamp._src.interpreter import (
+    Context,
+    Env,
+    current_recorder,
+    evaluate,
+    register_higher_order,
+)
 
 _CACHE_SIZE = 1024
 _rewrites: collections.OrderedDict = collections.OrderedDict()
@@ -42,7 +48,8 @@ def _cast_value(value, dtype):
 
 
 def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
-            out_dtypes: tuple | None = None, hoist: int = 0) -> tuple[compat.ClosedJaxpr, tuple]:
+            out_dtypes: tuple | None = None, hoist: int = 0,
+            path: str = "") -> tuple[compat.ClosedJaxpr, tuple]:
   """``jaxpr`` rewritten for ``in_avals`` under ``ctx``, and the casts hoisted out of it.
 
   Args:
@@ -54,7 +61,8 @@ def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
       after the ``hoist`` invariants), to be computed once outside the loop.
   """
   key = (id(jaxpr), in_avals, ctx, out_dtypes, hoist)
-  hit = _rewrites.get(key)
+  recording = current_recorder() is not None
+  hit = None if recording else _rewrites.get(key)
   if hit is not None and hit[0] is jaxpr:
     _rewrites.move_to_end(key)
     return hit[1], hit[2]
@@ -71,20 +79,31 @@ def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
         args[hoist + len(hoisted):]
     precast = {(jaxpr.invars[i], dtype): extra
                for (i, dtype), extra in zip(hoisted, extras, strict=True)}
-    return _evaluate_body(jaxpr, consts, (*invariants, *rest), ctx, out_dtypes, precast=precast)
+    return _evaluate_body(jaxpr, consts, (*invariants, *rest), ctx, out_dtypes, precast=precast,
+                          path=path)
 
   closed = compat.trace(body, (*in_avals[:hoist], *extra_avals, *in_avals[hoist:]))
+  if recording:
+    return closed, hoisted
   _rewrites[key] = (jaxpr, closed, hoisted)
   if len(_rewrites) > _CACHE_SIZE:
     _rewrites.popitem(last=False)
   return closed, hoisted
 
 
-def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, precast=None, env=None):
-  outs = evaluate(jaxpr, consts, args, ctx, precast=precast, env=env)
+def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, precast=None, env=None, path=""):
+  outs = evaluate(jaxpr, consts, args, ctx, precast=precast, env=env, path=path)
   if out_dtypes is None:
     return outs
   return [_cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
+
+
+def _path(env: Env, eqn, part: str = "") -> str:
+  """Where a sub-jaxpr of ``eqn`` sits, for ``explain``: e.g. ``jit(log_softmax)/scan``."""
+  name = eqn.params.get("name") or ""
+  label = f"{eqn.primitive.name}({name})" if name else eqn.primitive.name
+  label += f".{part}" if part else ""
+  return f"{env.path}/{label}" if env.path else label
 
 
 def _declared(atoms) -> tuple:
@@ -101,26 +120,28 @@ def _restore(env: Env, atoms, values: list) -> list:
 @register_higher_order("jit", "pjit")
 def _jit_rule(eqn, invals, env, ctx):
   closed = eqn.params["jaxpr"]
-  new, _ = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals), ctx)
-  return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
+  new, _ = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals), ctx,
+                   path=_path(env, eqn))
+  return env.bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 
 @register_higher_order("closed_call", "core_call")
 def _closed_call_rule(eqn, invals, env, ctx):
   closed = eqn.params["call_jaxpr"]
-  new, _ = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals), ctx)
-  return compat.bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+  new, _ = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals), ctx,
+                   path=_path(env, eqn))
+  return env.bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
 
 
 @register_higher_order("checkpoint", "remat", "remat2")
 def _remat_rule(eqn, invals, env, ctx):
   jaxpr = eqn.params["jaxpr"]
-  new, _ = rewrite(jaxpr, (), body_avals(jaxpr.invars, invals), ctx)
+  new, _ = rewrite(jaxpr, (), body_avals(jaxpr.invars, invals), ctx, path=_path(env, eqn))
   body, consts = compat.open_jaxpr(new)
   prevent_cse = eqn.params["prevent_cse"]
   if isinstance(prevent_cse, tuple):
     prevent_cse = (False,) * len(consts) + prevent_cse
-  return compat.bind(eqn, [*consts, *invals], dict(eqn.params, jaxpr=body,
+  return env.bind(eqn, [*consts, *invals], dict(eqn.params, jaxpr=body,
                                                    prevent_cse=prevent_cse))
 
 
@@ -135,13 +156,13 @@ def _scan_rule(eqn, invals, env, ctx):
   out_dtypes = _declared(closed.jaxpr.outvars[:n_carry]) + \
       (None,) * (len(closed.jaxpr.outvars) - n_carry)
   new, hoisted = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals),
-                         ctx, out_dtypes, hoist=n_consts)
+                         ctx, out_dtypes, hoist=n_consts, path=_path(env, eqn))
   extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
   params = dict(p, jaxpr=new, num_consts=n_consts + len(extras))
   if "linear" in p:  # older JAX versions
     linear = tuple(p["linear"])
     params["linear"] = linear[:n_consts] + (False,) * len(extras) + linear[n_consts:]
-  return compat.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], params)
+  return env.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], params)
 
 
 @register_higher_order("while")
@@ -154,14 +175,15 @@ def _while_rule(eqn, invals, env, ctx):
   cond, body = p["cond_jaxpr"], p["body_jaxpr"]
   new_cond, _ = rewrite(cond.jaxpr, cond.consts,
                         body_avals(cond.jaxpr.invars, [*cond_consts, *carry]), ctx,
-                        _declared(cond.jaxpr.outvars))
+                        _declared(cond.jaxpr.outvars), path=_path(env, eqn, "cond"))
   new_body, hoisted = rewrite(body.jaxpr, body.consts,
                               body_avals(body.jaxpr.invars, [*body_consts, *carry]), ctx,
-                              _declared(body.jaxpr.outvars), hoist=n_body)
+                              _declared(body.jaxpr.outvars), hoist=n_body,
+                              path=_path(env, eqn, "body"))
   extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
   params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body,
                 body_nconsts=n_body + len(extras))
-  return compat.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], params)
+  return env.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], params)
 
 
 @register_higher_order("cond")
@@ -170,8 +192,9 @@ def _cond_rule(eqn, invals, env, ctx):
   operands = invals[1:]
   out_dtypes = _declared(branches[0].jaxpr.outvars)
   new = tuple(rewrite(b.jaxpr, b.consts, body_avals(b.jaxpr.invars, operands), ctx,
-                      out_dtypes)[0] for b in branches)
-  return compat.bind(eqn, invals, dict(eqn.params, branches=new))
+                      out_dtypes, path=_path(env, eqn, f"branch{i}"))[0]
+              for i, b in enumerate(branches))
+  return env.bind(eqn, invals, dict(eqn.params, branches=new))
 
 
 @register_higher_order("shard_map")
@@ -179,7 +202,9 @@ def _shard_map_rule(eqn, invals, env, ctx):
   """Re-binds through ``jax.shard_map``, which traces the body in the mesh's axis context."""
   p = eqn.params
   body = p["jaxpr"]
-  mapped = jax.shard_map(lambda *args: tuple(evaluate(body, (), args, ctx)), mesh=p["mesh"],
+  path = _path(env, eqn)
+  mapped = jax.shard_map(lambda *args: tuple(evaluate(body, (), args, ctx, path=path)),
+                         mesh=p["mesh"],
                          in_specs=p["in_specs"], out_specs=p["out_specs"],
                          axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"])
   return list(mapped(*invals))
@@ -205,7 +230,8 @@ def _match(values, dtypes) -> list:
 def _custom_jvp_rule(eqn, invals, env, ctx):
   call = eqn.params["call_jaxpr"]
   num_consts = eqn.params["num_consts"]
-  body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx)
+  body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx,
+                    path=_path(env, eqn))
   out_dtypes = [aval.dtype for aval in body.out_avals]
   rule_jaxpr = compat.custom_jvp_rule_jaxpr(eqn)
 
@@ -217,7 +243,7 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
   def autocast_fun_jvp(primals, tangents):
     jaxpr, consts = rule_jaxpr()
     primals, tangents = primals[num_consts:], tangents[num_consts:]
-    outs = evaluate(jaxpr, consts, [*primals, *tangents], ctx)
+    outs = evaluate(jaxpr, consts, [*primals, *tangents], ctx, path=_path(env, eqn, "jvp"))
     n = len(outs) // 2
     out_primals = _match(outs[:n], out_dtypes)
     out_tangents = _match(outs[n:], out_dtypes)
@@ -238,7 +264,8 @@ def backward_policy():
 def _custom_vjp_rule(eqn, invals, env, ctx):
   call = eqn.params["call_jaxpr"]
   num_consts = eqn.params["num_consts"]
-  body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx)
+  body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx,
+                    path=_path(env, eqn))
   out_dtypes = [aval.dtype for aval in body.out_avals]
   traced_out = [v.aval.dtype for v in eqn.outvars]
   traced_out_avals = [v.aval for v in eqn.outvars]
@@ -251,7 +278,8 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
 
   def autocast_fwd(*xs):
     jaxpr, consts = fwd_jaxpr()
-    res_and_outs = evaluate(jaxpr, consts, list(xs[num_consts:]), ctx)
+    res_and_outs = evaluate(jaxpr, consts, list(xs[num_consts:]), ctx,
+                            path=_path(env, eqn, "fwd"))
     residuals, outs = assemble(res_and_outs, xs)
     return tuple(_match(outs, out_dtypes)), tuple(residuals)
 

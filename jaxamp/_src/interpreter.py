@@ -110,8 +110,13 @@ class Env:
   """The state of one jaxpr's evaluation: values, their region, and the cast cache."""
 
   def __init__(self, ctx: Context, hoistable: frozenset = frozenset(),
-               precast: dict | None = None):
+               precast: dict | None = None, path: str = ""):
     self.ctx = ctx
+    self.path = path  # where this jaxpr sits, for ``explain``
+    self.recorder = current_recorder() if not hoistable else None  # not in discovery passes
+    self.converts = 0  # converts emitted so far
+    self.rule = ""  # the rule the current eqn ran under, for ``explain``
+    self.ran_on: list | None = None  # the values the current eqn's primitive was bound on
     self.values: dict[Any, Any] = {}
     self.region: dict[Any, str | None] = {}
     self.casts: dict[tuple[Any, np.dtype], Any] = dict(precast or {})
@@ -140,17 +145,39 @@ class Env:
       return self.casts[key]
     if atom in self.hoistable and key not in self.hoisted:
       self.hoisted.append(key)
-    converted = lax.convert_element_type(value, dtype)
+    converted = self.convert(value, dtype)
     if self.ctx.policy.cache_enabled:
       self.casts[key] = converted
     return converted
 
 
+  def convert(self, value, dtype: np.dtype) -> Any:
+    self.converts += 1
+    return lax.convert_element_type(value, dtype)
+
+  def bind(self, eqn, invals: list, params: dict | None = None) -> list[Any]:
+    self.ran_on = invals
+    return compat.bind(eqn, invals, params)
+
+
+# ``explain`` installs a recorder: (path, eqn, rule, values run on, outputs, converts) per eqn.
+_recorder: list = [None]
+
+
+def current_recorder():
+  return _recorder[0]
+
+
+def set_recorder(recorder) -> Any:
+  previous, _recorder[0] = _recorder[0], recorder
+  return previous
+
+
 def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
              hoistable: frozenset = frozenset(), precast: dict | None = None,
-             env: Env | None = None) -> list[Any]:
+             env: Env | None = None, path: str = "") -> list[Any]:
   """Evaluates ``jaxpr`` on ``args`` in the current trace, casting as ``ctx``'s policy says."""
-  env = env if env is not None else Env(ctx, hoistable, precast)
+  env = env if env is not None else Env(ctx, hoistable, precast, path)
   inherited = ctx.op.instance if ctx.op is not None else None
   for var, value in zip(jaxpr.constvars, consts, strict=True):
     env.values[var] = value
@@ -160,13 +187,24 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
     env.region[var] = inherited
   last_use = _last_uses(jaxpr)
   for index, eqn in enumerate(jaxpr.eqns):
-    outs, region = _eval_eqn(eqn, env, ctx)
+    if env.recorder is not None:
+      outs, region = _eval_recorded(eqn, env, ctx)
+    else:
+      outs, region = _eval_eqn(eqn, env, ctx)
     for var, value in zip(eqn.outvars, outs, strict=True):
       env.values[var] = value
       env.region[var] = region
     for var in last_use.get(index, ()):
       del env.values[var]  # dead: let eager evaluation free it, as JAX's eval_jaxpr does
   return [env.read(v) for v in jaxpr.outvars]
+
+
+def _eval_recorded(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
+  env.rule, env.ran_on, converts = "", None, env.converts
+  outs, region = _eval_eqn(eqn, env, ctx)
+  ran_on = env.ran_on if env.ran_on is not None else [env.read(a) for a in eqn.invars]
+  env.recorder(env.path, eqn, env.rule, ran_on, outs, env.converts - converts, ctx.policy)
+  return outs, region
 
 
 def _last_uses(jaxpr) -> dict[int, list]:
@@ -188,9 +226,11 @@ def _last_uses(jaxpr) -> dict[int, list]:
 def _eval_eqn(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
   marks = regions.marks_of(eqn)
   if marks.kept:
+    env.rule = "kept"
     return _bind_traced_dtypes(eqn, env), None
   op, category = _enclosing_op(marks, ctx)
   if op is not None:
+    env.rule = f"op {op.name}: {category.value}"
     return _eval_in_op(eqn, env, ctx, op, category), op.instance
   return _eval_by_primitive(eqn, env, ctx), None
 
@@ -219,7 +259,7 @@ def _op_category(op: regions.OpRegion, policy: Policy) -> Category | None:
 def _bind_traced_dtypes(eqn, env: Env) -> list[Any]:
   """Binds ``eqn`` on its inputs cast back to the dtypes they had when traced."""
   invals = [env.cast(a, a.aval.dtype) if _is_float(a) else env.read(a) for a in eqn.invars]
-  return compat.bind(eqn, invals)
+  return env.bind(eqn, invals)
 
 
 def _is_float(atom) -> bool:
@@ -247,13 +287,17 @@ def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion,
 def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
   name = eqn.primitive.name
   if name in HIGHER_ORDER_RULES:
+    env.rule = "higher-order: body rewritten"
     return HIGHER_ORDER_RULES[name](eqn, [env.read(a) for a in eqn.invars], env, ctx)
   if _keeps_dtypes(eqn):
+    env.rule = "traced dtypes (unknown or dtype-sensitive primitive)"
     return _bind_traced_dtypes(eqn, env)
   category = primitive_category(eqn, ctx.policy)
+  env.rule = category.value
   if category is Category.NATIVE and name == "add":
     outs = _bias_add(eqn, env)
     if outs is not None:
+      env.rule = "lower: bias add of a low-precision dot/conv"
       return outs
   invals = _cast_for(category, eqn, env, ctx.policy)
   params = _lower_params(eqn, env, category, ctx.policy, invals)
@@ -320,7 +364,7 @@ def _bind_native(eqn, env: Env, ctx: Context, invals: list, params: dict | None 
   name = eqn.primitive.name
   if name in HIGHER_ORDER_RULES:
     return HIGHER_ORDER_RULES[name](eqn, invals, env, ctx)
-  invals = _equalize(eqn, invals)
+  invals = _equalize(eqn, invals, env)
   params = dict(eqn.params) if params is None else params
   combiner = _COMBINER_PARAM.get(name)
   if combiner and params.get(combiner) is not None:
@@ -328,10 +372,10 @@ def _bind_native(eqn, env: Env, ctx: Context, invals: list, params: dict | None 
     if operand_dtype != eqn.invars[0].aval.dtype:
       params[combiner] = _retype_combiner(params[combiner], params.get("update_consts", ()),
                                           operand_dtype)
-  return compat.bind(eqn, invals, params)
+  return env.bind(eqn, invals, params)
 
 
-def _equalize(eqn, invals: list) -> list:
+def _equalize(eqn, invals: list, env: Env) -> list:
   groups: dict[np.dtype, list[int]] = {}
   for i, atom in enumerate(eqn.invars):
     traced = atom.aval.dtype
@@ -347,7 +391,7 @@ def _equalize(eqn, invals: list) -> list:
     target = _widest(strong or sorted(dtypes, key=str))
     for i in members:
       if compat.typeof(invals[i]).dtype != target:
-        invals[i] = lax.convert_element_type(invals[i], target)
+        invals[i] = env.convert(invals[i], target)
   return invals
 
 
@@ -363,7 +407,7 @@ def _bias_add(eqn, env: Env) -> list | None:
         source = env.broadcast_source[bias]
         if np.prod(source.aval.shape, dtype=int) < np.prod(out.aval.shape, dtype=int):
           values = {out: env.read(out), bias: env.cast(bias, out_dtype)}
-          outs = compat.bind(eqn, [values[a], values[b]])
+          outs = env.bind(eqn, [values[a], values[b]])
           env.lowered.update(eqn.outvars)
           return outs
   return None

@@ -64,6 +64,16 @@ class Table:
   def op_categories(self) -> Mapping[str, Category]:
     return _index(self.rows, "ops")
 
+  @functools.cached_property
+  def primitive_rows(self) -> Mapping[str, tuple[str, ...]]:
+    """Primitive name (with its variant, e.g. ``div[rdiv]``) -> the torch ops of its row."""
+    return {name: row.torch_ops for row in self.rows for name in row.primitives}
+
+  @functools.cached_property
+  def op_rows(self) -> Mapping[str, tuple[str, ...]]:
+    """Op region name -> the torch ops of its row."""
+    return {name: row.torch_ops for row in self.rows for name in row.ops}
+
 
 def _index(rows: tuple[Row, ...], field: str) -> dict[str, Category]:
   index: dict[str, Category] = {}

@@ -1,0 +1,67 @@
+"""jaxamp.explain reports what autocast does to every primitive, inside sub-jaxprs too."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import jaxamp
+
+X = jnp.ones((4, 8))
+W = jnp.ones((8, 8)) * 0.1
+
+
+def model(x, w):
+  h = jax.jit(lambda a: jnp.tanh(a @ w))(x)
+  h = lax.scan(lambda c, _: (c @ w, None), h, None, length=2)[0]
+  return jax.nn.softmax(h).sum()
+
+
+def test_every_primitive_gets_a_decision_including_sub_jaxprs():
+  explanation = jaxamp.explain(model, device_type="cuda")(X, W)
+  paths = {d.path for d in explanation.decisions}
+  assert {"", "jit(<lambda>)", "scan"} <= paths
+  dots = [d for d in explanation.decisions if d.primitive == "dot_general"]
+  assert len(dots) == 2 and all(d.inputs == ("float16", "float16") for d in dots)
+  assert all(d.traced == ("float32", "float32") for d in dots)
+
+
+def test_decisions_name_the_rule_and_the_torch_ops():
+  explanation = jaxamp.explain(model, device_type="cuda")(X, W)
+  dot = next(d for d in explanation.decisions if d.primitive == "dot_general")
+  assert dot.rule == "lower" and "matmul" in dot.torch_ops
+  softmax = [d for d in explanation.decisions if d.rule == "op softmax: float32"]
+  assert softmax and all(d.torch_ops == ("softmax",) for d in softmax)
+
+
+def test_casts_inserted_are_counted_once_per_value():
+  explanation = jaxamp.explain(lambda x, w: (x @ w, x @ w), device_type="cuda")(X, W)
+  assert [d.casts for d in explanation.decisions] == [2, 0]
+
+
+@pytest.mark.parametrize("device_type,exp_rule", [("cuda", "float32"), ("cpu", "native")])
+def test_the_policy_decides_the_rule(device_type, exp_rule):
+  explanation = jaxamp.explain(lambda x, w: jnp.exp(x @ w), device_type=device_type)(X, W)
+  assert explanation.decisions[-1].rule == exp_rule
+
+
+def test_explanation_prints_as_a_table_and_summarises():
+  explanation = jaxamp.explain(model, device_type="cpu")(X, W)
+  text = str(explanation)
+  assert text.splitlines()[0].startswith("autocast('cpu', bfloat16)")
+  assert "dot_general" in text and "traced -> inputs" in text
+  assert explanation.summary()["lower"] == 2
+  assert tuple(explanation.to_dicts()[0]) == jaxamp.Decision._fields
+
+
+def test_explain_does_not_run_the_computation_or_pollute_caches():
+  first = jaxamp.explain(model, device_type="cuda")(X, W)
+  again = jaxamp.explain(model, device_type="cuda")(X, W)
+  assert first.decisions == again.decisions  # rewrite caches are bypassed while recording
+
+
+def test_explain_rejects_bad_input():
+  with pytest.raises(TypeError, match="explain takes a callable"):
+    jaxamp.explain(3)
+  with pytest.raises(ValueError, match="`device_type` must be one of"):
+    jaxamp.explain(model, device_type="tpu")
