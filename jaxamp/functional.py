@@ -6,9 +6,12 @@ registered autocast op region named after the torch op, so ``jaxamp.autocast`` c
 torch's autocast casts that op on the active device (float32 for the losses, the autocast dtype
 for ``prelu``, the inputs' own dtype for ops a device does not list).
 
-As torch's kernels do, 16-bit inputs are computed in float32 internally and the result is returned
-in the inputs' (promoted) dtype. Deprecated torch arguments (``size_average``, ``reduce``, ``out``)
-are left out; options after them are keyword-only.
+Each op computes in the (promoted) dtype of its inputs and never casts its result: autocast
+re-evaluates a region's inside with the dtypes its inputs get, and a trailing cast would undo
+that. The exceptions follow torch: an explicit ``dtype=`` casts the input first, and the affine
+parameters of ``layer_norm`` / ``group_norm`` take the input's dtype (torch's mixed-dtype
+kernels return the input's dtype). Deprecated torch arguments (``size_average``, ``reduce``,
+``out``) are left out; options after them are keyword-only.
 """
 
 from __future__ import annotations
@@ -59,23 +62,14 @@ __all__ = [
 
 Array = jax.Array
 _REDUCTIONS = ("none", "mean", "sum")
-_LOW = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def _dtypes(*xs) -> tuple[np.dtype, np.dtype]:
-  """(compute dtype, result dtype) of float inputs ``xs``: 16-bit floats compute in float32."""
-  out = jnp.result_type(*[x for x in xs if x is not None])
-  if not jnp.issubdtype(out, jnp.inexact):
-    out = jnp.promote_types(out, jnp.float32)
-  compute = jnp.dtype(jnp.float32) if out in _LOW else out
-  return compute, out
-
-
-def _cast(dtype, *xs):
-  return tuple(None if x is None else jnp.asarray(x).astype(dtype) for x in xs)
+def _arrays(*xs) -> tuple:
+  """``xs`` as arrays (None stays None). No casts: each op runs in its inputs' dtypes."""
+  return tuple(None if x is None else jnp.asarray(x) for x in xs)
 
 
 def _check_reduction(reduction: str) -> None:
@@ -103,6 +97,16 @@ def _weighted_reduce(loss: Array, weight: Array | None, reduction: str) -> Array
   if reduction == "sum":
     return jnp.sum(weighted)
   return weighted
+
+
+def _clamp_min0(x: Array) -> Array:
+  """``clamp_min(x, 0)`` with torch's gradient (1 where ``x >= 0``)."""
+  return jnp.where(x >= 0, x, 0)
+
+
+def _hinge(x: Array) -> Array:
+  """``max(x, 0)`` as torch's margin-loss kernels differentiate it (0 where ``x <= 0``)."""
+  return jnp.where(x > 0, x, 0)
 
 
 def _safe_sqrt(x: Array) -> Array:
@@ -161,9 +165,8 @@ def mse_loss(
     input: Array, target: Array, *, reduction: str = "mean", weight: Array | None = None
 ) -> Array:
   """``torch.nn.functional.mse_loss``."""
-  compute, out = _dtypes(input, target)
-  x, y, w = _cast(compute, input, target, weight)
-  return _weighted_reduce(jnp.square(x - y), w, reduction).astype(out)
+  x, y, w = _arrays(input, target, weight)
+  return _weighted_reduce(jnp.square(x - y), w, reduction)
 
 
 @regions.register_op("l1_loss")
@@ -171,9 +174,8 @@ def l1_loss(
     input: Array, target: Array, *, reduction: str = "mean", weight: Array | None = None
 ) -> Array:
   """``torch.nn.functional.l1_loss``."""
-  compute, out = _dtypes(input, target)
-  x, y, w = _cast(compute, input, target, weight)
-  return _weighted_reduce(jnp.abs(x - y), w, reduction).astype(out)
+  x, y, w = _arrays(input, target, weight)
+  return _weighted_reduce(jnp.abs(x - y), w, reduction)
 
 
 @regions.register_op("smooth_l1_loss")
@@ -181,14 +183,13 @@ def smooth_l1_loss(
     input: Array, target: Array, *, reduction: str = "mean", beta: float = 1.0
 ) -> Array:
   """``torch.nn.functional.smooth_l1_loss``."""
-  compute, out = _dtypes(input, target)
-  x, y = _cast(compute, input, target)
+  x, y = _arrays(input, target)
   z = jnp.abs(x - y)
   if beta == 0:
     loss = z
   else:
     loss = jnp.where(z < beta, 0.5 * z * z / beta, z - 0.5 * beta)
-  return _reduce(loss, reduction).astype(out)
+  return _reduce(loss, reduction)
 
 
 @regions.register_op("huber_loss")
@@ -200,14 +201,13 @@ def huber_loss(
     weight: Array | None = None,
 ) -> Array:
   """``torch.nn.functional.huber_loss``."""
-  compute, out = _dtypes(input, target)
-  x, y, w = _cast(compute, input, target, weight)
+  x, y, w = _arrays(input, target, weight)
   z = jnp.abs(x - y)
   loss = jnp.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta))
   if w is None:
-    return _reduce(loss, reduction).astype(out)
+    return _reduce(loss, reduction)
   _check_reduction(reduction)
-  return _reduce(loss * w, reduction).astype(out)
+  return _reduce(loss * w, reduction)
 
 
 # --- binary and classification losses ----------------------------------------------------------
@@ -218,14 +218,13 @@ def binary_cross_entropy(
     input: Array, target: Array, weight: Array | None = None, *, reduction: str = "mean"
 ) -> Array:
   """``torch.nn.functional.binary_cross_entropy`` (on probabilities; log clamped at -100)."""
-  compute, out = _dtypes(input, target)
-  p, t, w = _cast(compute, input, target, weight)
+  p, t, w = _arrays(input, target, weight)
   log_p = jnp.maximum(jnp.log(p), -100.0)
   log_1mp = jnp.maximum(jnp.log1p(-p), -100.0)
   loss = -(t * log_p + (1 - t) * log_1mp)
   if w is not None:
     loss = loss * w
-  return _reduce(loss, reduction).astype(out)
+  return _reduce(loss, reduction)
 
 
 @regions.register_op("binary_cross_entropy_with_logits")
@@ -238,21 +237,14 @@ def binary_cross_entropy_with_logits(
     pos_weight: Array | None = None,
 ) -> Array:
   """``torch.nn.functional.binary_cross_entropy_with_logits``."""
-  compute, out = _dtypes(input, target)
-  x, t, w, pw = _cast(compute, input, target, weight, pos_weight)
+  x, t, w, pw = _arrays(input, target, weight, pos_weight)
   log_sigmoid = jax.nn.log_sigmoid(x)
   if pw is not None:
     log_sigmoid = log_sigmoid * ((pw - 1) * t + 1)
   loss = (1 - t) * x - log_sigmoid
   if w is not None:
     loss = loss * w
-  return _reduce(loss, reduction).astype(out)
-
-
-def _class_weights(weight: Array | None, n_classes: int, dtype) -> Array:
-  if weight is None:
-    return jnp.ones((n_classes,), dtype)
-  return weight.astype(dtype)
+  return _reduce(loss, reduction)
 
 
 def _nll(
@@ -261,13 +253,15 @@ def _nll(
   """torch's nll_loss on log-probabilities ``logp`` of shape (N, C, d...) or (C,)."""
   _check_reduction(reduction)
   class_axis = 0 if logp.ndim == 1 else 1
-  n_classes = logp.shape[class_axis]
   target = jnp.asarray(target)
   valid = target != ignore_index
   safe = jnp.where(valid, target, 0).astype(jnp.int32)
   picked = jnp.take_along_axis(logp, jnp.expand_dims(safe, class_axis), axis=class_axis)
   picked = jnp.squeeze(picked, class_axis)
-  w = jnp.where(valid, _class_weights(weight, n_classes, logp.dtype)[safe], 0)
+  if weight is None:
+    w = valid.astype(logp.dtype)
+  else:
+    w = jnp.where(valid, jnp.asarray(weight)[safe], 0)
   loss = -picked * w
   if reduction == "none":
     return loss
@@ -286,9 +280,8 @@ def nll_loss(
     reduction: str = "mean",
 ) -> Array:
   """``torch.nn.functional.nll_loss`` (input (N, C, d...) or (C,), class-index target)."""
-  compute, out = _dtypes(input)
-  (logp,) = _cast(compute, input)
-  return _nll(logp, target, weight, ignore_index, reduction).astype(out)
+  (logp,) = _arrays(input)
+  return _nll(logp, target, weight, ignore_index, reduction)
 
 
 @regions.register_op("cross_entropy")
@@ -305,8 +298,7 @@ def cross_entropy(
   _check_reduction(reduction)
   if not 0.0 <= label_smoothing <= 1.0:
     raise ValueError(f"`label_smoothing` must be in [0, 1]; got {label_smoothing!r}.")
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
+  (x,) = _arrays(input)
   class_axis = 0 if x.ndim == 1 else 1
   n_classes = x.shape[class_axis]
   logp = _log_softmax(x, class_axis)
@@ -315,22 +307,22 @@ def cross_entropy(
   target = jnp.asarray(target)
 
   if jnp.issubdtype(target.dtype, jnp.floating):  # class probabilities
-    t = target.astype(compute)
+    t = target
     if label_smoothing > 0:
       t = t * (1 - label_smoothing) + label_smoothing / n_classes
     terms = logp * t
     if weight is not None:
-      terms = terms * weight.astype(compute).reshape(w_shape)
+      terms = terms * jnp.asarray(weight).reshape(w_shape)
     loss = -jnp.sum(terms, axis=class_axis)
     if reduction == "mean":
-      return (jnp.sum(loss) / (x.size // n_classes)).astype(out)
-    return _reduce(loss, reduction).astype(out)
+      return jnp.sum(loss) / (x.size // n_classes)
+    return _reduce(loss, reduction)
 
   nll = _nll(logp, target, weight, ignore_index, reduction)
   if label_smoothing == 0:
-    return nll.astype(out)
+    return nll
   valid = target != ignore_index
-  terms = logp if weight is None else logp * weight.astype(compute).reshape(w_shape)
+  terms = logp if weight is None else logp * jnp.asarray(weight).reshape(w_shape)
   smooth = jnp.where(valid, -jnp.sum(terms, axis=class_axis), 0)
   if reduction == "none":
     smooth_red = smooth
@@ -340,9 +332,8 @@ def cross_entropy(
     smooth_red = jnp.sum(smooth) / jnp.sum(valid)
   else:
     safe = jnp.where(valid, target, 0).astype(jnp.int32)
-    smooth_red = jnp.sum(smooth) / jnp.sum(jnp.where(valid, weight.astype(compute)[safe], 0))
-  loss = (1 - label_smoothing) * nll + smooth_red * (label_smoothing / n_classes)
-  return loss.astype(out)
+    smooth_red = jnp.sum(smooth) / jnp.sum(jnp.where(valid, jnp.asarray(weight)[safe], 0))
+  return (1 - label_smoothing) * nll + smooth_red * (label_smoothing / n_classes)
 
 
 @regions.register_op("kl_div")
@@ -354,16 +345,15 @@ def kl_div(
     raise ValueError(
         f"`reduction` must be one of {_REDUCTIONS + ('batchmean',)}; got {reduction!r}."
     )
-  compute, out = _dtypes(input, target)
-  x, t = _cast(compute, input, target)
+  x, t = _arrays(input, target)
   if log_target:
     loss = jnp.exp(t) * (t - x)
   else:
     loss = jax.scipy.special.xlogy(t, t) - t * x
   if reduction == "batchmean":
     total = jnp.sum(loss)
-    return (total / x.shape[0] if x.ndim else total).astype(out)
-  return _reduce(loss, reduction).astype(out)
+    return total / x.shape[0] if x.ndim else total
+  return _reduce(loss, reduction)
 
 
 @regions.register_op("poisson_nll_loss")
@@ -377,8 +367,7 @@ def poisson_nll_loss(
     reduction: str = "mean",
 ) -> Array:
   """``torch.nn.functional.poisson_nll_loss``."""
-  compute, out = _dtypes(input, target)
-  x, t = _cast(compute, input, target)
+  x, t = _arrays(input, target)
   if log_input:
     loss = jnp.exp(x) - t * x
   else:
@@ -387,7 +376,7 @@ def poisson_nll_loss(
     safe_t = jnp.where(t > 1, t, 1)
     stirling = safe_t * jnp.log(safe_t) - safe_t + 0.5 * jnp.log(2 * math.pi * safe_t)
     loss = loss + jnp.where(t > 1, stirling, 0)
-  return _reduce(loss, reduction).astype(out)
+  return _reduce(loss, reduction)
 
 
 # --- margin and embedding losses ---------------------------------------------------------------
@@ -398,8 +387,7 @@ def cosine_embedding_loss(
     input1: Array, input2: Array, target: Array, margin: float = 0.0, *, reduction: str = "mean"
 ) -> Array:
   """``torch.nn.functional.cosine_embedding_loss``."""
-  compute, out = _dtypes(input1, input2)
-  x1, x2 = _cast(compute, input1, input2)
+  x1, x2 = _arrays(input1, input2)
   axis = x1.ndim - 1
   eps = 1e-12
   prod = jnp.sum(x1 * x2, axis=axis)
@@ -408,9 +396,9 @@ def cosine_embedding_loss(
   cos = prod / jnp.sqrt(mag1 * mag2)
   target = jnp.asarray(target)
   loss = jnp.where(target == 1, 1 - cos, 0) + jnp.where(
-      target == -1, jnp.maximum(cos - margin, 0), 0
+      target == -1, _clamp_min0(cos - margin), 0
   )
-  return _reduce(loss, reduction).astype(out)
+  return _reduce(loss, reduction)
 
 
 @regions.register_op("hinge_embedding_loss")
@@ -418,11 +406,10 @@ def hinge_embedding_loss(
     input: Array, target: Array, margin: float = 1.0, *, reduction: str = "mean"
 ) -> Array:
   """``torch.nn.functional.hinge_embedding_loss``."""
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
+  (x,) = _arrays(input)
   target = jnp.asarray(target)
-  loss = jnp.where(target != 1, jnp.maximum(margin - x, 0), 0) + jnp.where(target != -1, x, 0)
-  return _reduce(loss, reduction).astype(out)
+  loss = jnp.where(target != 1, _clamp_min0(margin - x), 0) + jnp.where(target != -1, x, 0)
+  return _reduce(loss, reduction)
 
 
 @regions.register_op("margin_ranking_loss")
@@ -430,19 +417,17 @@ def margin_ranking_loss(
     input1: Array, input2: Array, target: Array, margin: float = 0.0, *, reduction: str = "mean"
 ) -> Array:
   """``torch.nn.functional.margin_ranking_loss``."""
-  compute, out = _dtypes(input1, input2, target)
-  x1, x2, y = _cast(compute, input1, input2, target)
-  loss = jnp.maximum(-y * (x1 - x2) + margin, 0)
-  return _reduce(loss, reduction).astype(out)
+  x1, x2, y = _arrays(input1, input2, target)
+  loss = _clamp_min0(-y * (x1 - x2) + margin)
+  return _reduce(loss, reduction)
 
 
 @regions.register_op("soft_margin_loss")
 def soft_margin_loss(input: Array, target: Array, *, reduction: str = "mean") -> Array:
   """``torch.nn.functional.soft_margin_loss``."""
-  compute, out = _dtypes(input, target)
-  x, y = _cast(compute, input, target)
+  x, y = _arrays(input, target)
   loss = jnp.log1p(jnp.exp(-y * x))
-  return _reduce(loss, reduction).astype(out)
+  return _reduce(loss, reduction)
 
 
 def _pairwise_distance(x1: Array, x2: Array, p: float, eps: float) -> Array:
@@ -464,14 +449,13 @@ def triplet_margin_loss(
     reduction: str = "mean",
 ) -> Array:
   """``torch.nn.functional.triplet_margin_loss``."""
-  compute, out = _dtypes(anchor, positive, negative)
-  a, pos, neg = _cast(compute, anchor, positive, negative)
+  a, pos, neg = _arrays(anchor, positive, negative)
   d_pos = _pairwise_distance(a, pos, p, eps)
   d_neg = _pairwise_distance(a, neg, p, eps)
   if swap:
     d_neg = jnp.minimum(d_neg, _pairwise_distance(pos, neg, p, eps))
-  loss = jnp.maximum(margin + d_pos - d_neg, 0)
-  return _reduce(loss, reduction).astype(out)
+  loss = _clamp_min0(margin + d_pos - d_neg)
+  return _reduce(loss, reduction)
 
 
 @regions.register_op("multi_margin_loss")
@@ -487,29 +471,27 @@ def multi_margin_loss(
   """``torch.nn.functional.multi_margin_loss`` (input (N, C) or (C,), class-index target)."""
   if p not in (1, 2):
     raise ValueError(f"`p` must be 1 or 2; got {p!r}.")
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
+  (x,) = _arrays(input)
   x2 = x if x.ndim == 2 else x[None]
   t = jnp.asarray(target).reshape(-1).astype(jnp.int32)
   n_classes = x2.shape[1]
   picked = jnp.take_along_axis(x2, t[:, None], axis=1)
-  z = jnp.maximum(margin - picked + x2, 0)
+  z = _hinge(margin - picked + x2)
   if p == 2:
     z = z * z
   if weight is not None:
-    z = z * weight.astype(compute)[t][:, None]
+    z = z * jnp.asarray(weight)[t][:, None]
   not_target = jnp.arange(n_classes)[None, :] != t[:, None]
   loss = jnp.sum(jnp.where(not_target, z, 0), axis=1) / n_classes
   if x.ndim == 1:
     loss = loss[0]
-  return _reduce(loss, reduction).astype(out)
+  return _reduce(loss, reduction)
 
 
 @regions.register_op("multilabel_margin_loss")
 def multilabel_margin_loss(input: Array, target: Array, *, reduction: str = "mean") -> Array:
   """``torch.nn.functional.multilabel_margin_loss`` (targets end at the first -1)."""
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
+  (x,) = _arrays(input)
   x2 = x if x.ndim == 2 else x[None]
   t = jnp.asarray(target).reshape(x2.shape).astype(jnp.int32)
   n_classes = x2.shape[1]
@@ -520,12 +502,12 @@ def multilabel_margin_loss(input: Array, target: Array, *, reduction: str = "mea
       active[:, :, None] & (safe[:, :, None] == jnp.arange(n_classes)[None, None, :]), axis=1
   )
   picked = jnp.take_along_axis(x2, safe, axis=1)  # (N, slots)
-  hinge = jnp.maximum(1 - (picked[:, :, None] - x2[:, None, :]), 0)  # (N, slots, C)
+  hinge = _hinge(1 - (picked[:, :, None] - x2[:, None, :]))  # (N, slots, C)
   mask = active[:, :, None] & ~is_target[:, None, :]
   loss = jnp.sum(jnp.where(mask, hinge, 0), axis=(1, 2)) / n_classes
   if x.ndim == 1:
     loss = loss[0]
-  return _reduce(loss, reduction).astype(out)
+  return _reduce(loss, reduction)
 
 
 # --- distances and norms -----------------------------------------------------------------------
@@ -534,12 +516,11 @@ def multilabel_margin_loss(input: Array, target: Array, *, reduction: str = "mea
 @regions.register_op("cosine_similarity")
 def cosine_similarity(x1: Array, x2: Array, dim: int = 1, eps: float = 1e-8) -> Array:
   """``torch.nn.functional.cosine_similarity``."""
-  compute, out = _dtypes(x1, x2)
-  a, b = _cast(compute, x1, x2)
+  a, b = _arrays(x1, x2)
   a, b = jnp.broadcast_arrays(a, b)
   norm_a = jnp.maximum(_vector_norm(a, 2, axis=dim, keepdims=True), eps)
   norm_b = jnp.maximum(_vector_norm(b, 2, axis=dim, keepdims=True), eps)
-  return jnp.sum((a / norm_a) * (b / norm_b), axis=dim).astype(out)
+  return jnp.sum((a / norm_a) * (b / norm_b), axis=dim)
 
 
 @regions.register_op("pdist")
@@ -547,10 +528,9 @@ def pdist(input: Array, p: float = 2.0) -> Array:
   """``torch.nn.functional.pdist``: distances between the rows of an (N, M) input, i < j."""
   if input.ndim != 2:
     raise ValueError(f"pdist expects a 2-D input; got shape {input.shape}.")
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
+  (x,) = _arrays(input)
   i, j = np.triu_indices(x.shape[0], k=1)
-  return _vector_norm(x[i] - x[j], p, axis=-1).astype(out)
+  return _vector_norm(x[i] - x[j], p, axis=-1)
 
 
 def _euclidean_cdist(a: Array, b: Array) -> Array:
@@ -578,33 +558,30 @@ def cdist(
   )
   if compute_mode not in modes:
     raise ValueError(f"`compute_mode` must be one of {modes}; got {compute_mode!r}.")
-  compute, out = _dtypes(x1, x2)
-  a, b = _cast(compute, x1, x2)
+  a, b = _arrays(x1, x2)
   use_mm = p == 2 and (
       compute_mode == "use_mm_for_euclid_dist"
       or (compute_mode == modes[0] and (a.shape[-2] > 25 or b.shape[-2] > 25))
   )
   if use_mm:
-    return _euclidean_cdist(a, b).astype(out)
+    return _euclidean_cdist(a, b)
   diff = a[..., :, None, :] - b[..., None, :, :]
-  return _vector_norm(diff, p, axis=-1).astype(out)
+  return _vector_norm(diff, p, axis=-1)
 
 
 @regions.register_op("dist")
 def dist(input: Array, other: Array, p: float = 2.0) -> Array:
   """``torch.dist``: the p-norm of ``input - other`` (broadcast), over all elements."""
-  compute, out = _dtypes(input, other)
-  a, b = _cast(compute, input, other)
-  return _vector_norm(a - b, p).astype(out)
+  a, b = _arrays(input, other)
+  return _vector_norm(a - b, p)
 
 
 @regions.register_op("normalize")
 def normalize(input: Array, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Array:
   """``torch.nn.functional.normalize``: ``input`` over its p-norm along ``dim`` (at least eps)."""
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
+  (x,) = _arrays(input)
   denom = jnp.maximum(_vector_norm(x, p, axis=dim, keepdims=True), eps)
-  return (x / denom).astype(out)
+  return (x / denom)
 
 
 @regions.register_op("norm")
@@ -618,28 +595,26 @@ def norm(
   """``torch.norm``: vector p-norms, or "fro" / "nuc" matrix norms."""
   if dtype is not None:
     input = jnp.asarray(input).astype(dtype)
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
+  (x,) = _arrays(input)
   axis = tuple(dim) if isinstance(dim, Sequence) else dim
   if p == "nuc":
     axes = (x.ndim - 2, x.ndim - 1) if axis is None else axis
-    return jnp.linalg.norm(x, "nuc", axis=axes, keepdims=keepdim).astype(out)
+    return jnp.linalg.norm(x, "nuc", axis=axes, keepdims=keepdim)
   if isinstance(p, str) and p != "fro":
     raise ValueError(f"`p` must be a number, 'fro' or 'nuc'; got {p!r}.")
   order = 2 if p in ("fro", None) else p
-  return _vector_norm(x, order, axis=axis, keepdims=keepdim).astype(out)
+  return _vector_norm(x, order, axis=axis, keepdims=keepdim)
 
 
 @regions.register_op("renorm")
 def renorm(input: Array, p: float, dim: int, maxnorm: float) -> Array:
   """``torch.renorm``: rescales each slice along ``dim`` whose p-norm exceeds ``maxnorm``."""
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
+  (x,) = _arrays(input)
   dim = dim % x.ndim
   axes = tuple(a for a in range(x.ndim) if a != dim)
   n = _vector_norm(x, p, axis=axes, keepdims=True)
   factor = jnp.where(n > maxnorm, maxnorm / (n + 1e-7), 1.0)
-  return (x * factor).astype(out)
+  return (x * factor)
 
 
 # --- activations and normalisation -------------------------------------------------------------
@@ -653,35 +628,39 @@ def _explicit_dtype(input: Array, dtype) -> Array:
 def softmax(input: Array, dim: int | None = None, *, dtype=None) -> Array:
   """``torch.nn.functional.softmax`` (``dtype`` casts the input first, as in torch)."""
   input = _explicit_dtype(input, dtype)
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
-  return _softmax(x, _softmax_dim("softmax", x.ndim, dim)).astype(out)
+  (x,) = _arrays(input)
+  return _softmax(x, _softmax_dim("softmax", x.ndim, dim))
 
 
 @regions.register_op("log_softmax")
 def log_softmax(input: Array, dim: int | None = None, *, dtype=None) -> Array:
   """``torch.nn.functional.log_softmax``."""
   input = _explicit_dtype(input, dtype)
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
-  return _log_softmax(x, _softmax_dim("log_softmax", x.ndim, dim)).astype(out)
+  (x,) = _arrays(input)
+  return _log_softmax(x, _softmax_dim("log_softmax", x.ndim, dim))
 
 
 @regions.register_op("softmin")
 def softmin(input: Array, dim: int | None = None, *, dtype=None) -> Array:
   """``torch.nn.functional.softmin``: ``softmax(-input)``."""
   input = _explicit_dtype(input, dtype)
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
-  return _softmax(-x, _softmax_dim("softmin", x.ndim, dim)).astype(out)
+  (x,) = _arrays(input)
+  return _softmax(-x, _softmax_dim("softmin", x.ndim, dim))
 
 
 @regions.register_op("softplus")
 def softplus(input: Array, beta: float = 1.0, threshold: float = 20.0) -> Array:
   """``torch.nn.functional.softplus``: linear where ``input * beta > threshold``."""
-  compute, out = _dtypes(input)
-  (x,) = _cast(compute, input)
-  return _softplus(x, beta, threshold).astype(out)
+  (x,) = _arrays(input)
+  return _softplus(x, beta, threshold)
+
+
+def _affine(input, weight, bias) -> tuple:
+  """The input, and affine parameters in its dtype (torch's norms return the input's dtype)."""
+  x, w, b = _arrays(input, weight, bias)
+  w = None if w is None else w.astype(x.dtype)
+  b = None if b is None else b.astype(x.dtype)
+  return x, w, b
 
 
 @regions.register_op("layer_norm")
@@ -696,8 +675,7 @@ def layer_norm(
   shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
   if tuple(input.shape[input.ndim - len(shape):]) != shape:
     raise ValueError(f"input shape {input.shape} does not end in normalized_shape {shape}.")
-  compute, out = _dtypes(input)
-  x, w, b = _cast(compute, input, weight, bias)
+  x, w, b = _affine(input, weight, bias)
   axes = tuple(range(x.ndim - len(shape), x.ndim))
   mean = jnp.mean(x, axis=axes, keepdims=True)
   var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
@@ -706,7 +684,7 @@ def layer_norm(
     y = y * w
   if b is not None:
     y = y + b
-  return y.astype(out)
+  return y
 
 
 @regions.register_op("group_norm")
@@ -721,8 +699,7 @@ def group_norm(
   n, c = input.shape[:2]
   if c % num_groups:
     raise ValueError(f"{c} channels are not divisible into {num_groups} groups.")
-  compute, out = _dtypes(input)
-  x, w, b = _cast(compute, input, weight, bias)
+  x, w, b = _affine(input, weight, bias)
   grouped = x.reshape(n, num_groups, -1)
   mean = jnp.mean(grouped, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(grouped - mean), axis=-1, keepdims=True)
@@ -732,17 +709,15 @@ def group_norm(
     y = y * w.reshape(channel_shape)
   if b is not None:
     y = y + b.reshape(channel_shape)
-  return y.astype(out)
+  return y
 
 
 @regions.register_op("prelu")
 def prelu(input: Array, weight: Array) -> Array:
   """``torch.nn.functional.prelu``: ``weight`` has 1 or C (channel axis 1) elements."""
-  x = jnp.asarray(input)
-  w = jnp.asarray(weight)
-  out = jnp.result_type(x, w)
+  x, w = _arrays(input, weight)
   if w.size != 1 and x.ndim >= 2:
     w = w.reshape((1, w.size) + (1,) * (x.ndim - 2))
   elif w.size == 1:
     w = w.reshape(())
-  return jnp.where(x > 0, x, w * x).astype(out)
+  return jnp.where(x > 0, x, w * x)

@@ -1,31 +1,84 @@
-"""Walks a jaxpr and every sub-jaxpr inside it, to assert the dtypes autocast chose."""
+"""Walks a jaxpr and every jaxpr nested in it, to check the dtypes autocast chose.
+
+Sub-jaxprs hide in eqn params under many names (jit/pjit ``jaxpr``, scan ``jaxpr``, while
+``cond_jaxpr``/``body_jaxpr``, cond ``branches``, remat ``jaxpr``, custom_jvp_call/custom_vjp_call
+``call_jaxpr``, shard_map ``jaxpr``, closed_call ``call_jaxpr``), so the walk is generic: any
+param value that is a ``Jaxpr`` or ``ClosedJaxpr``, or a tuple/list of them, is descended into.
+"""
+
+from __future__ import annotations
 
 from collections.abc import Iterator
 
-from jax.extend import core
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+Path = tuple[str, ...]
 
 
-def _sub_jaxprs(value) -> Iterator:
-  if isinstance(value, core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, core.Jaxpr):
-    yield value
-  elif isinstance(value, tuple | list):
-    for item in value:
-      yield from _sub_jaxprs(item)
+def _as_jaxpr(value) -> jex_core.Jaxpr | None:
+  if isinstance(value, jex_core.ClosedJaxpr):
+    return value.jaxpr
+  if isinstance(value, jex_core.Jaxpr):
+    return value
+  return None
 
 
-def walk(jaxpr, path: str = "") -> Iterator[tuple[str, object]]:
-  """Yields (path, eqn) for every eqn of ``jaxpr`` and of its sub-jaxprs, depth first."""
-  jaxpr = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
+def sub_jaxprs(eqn) -> Iterator[tuple[str, jex_core.Jaxpr]]:
+  """(label, jaxpr) of each jaxpr in ``eqn``'s params; tuple members are labelled ``name[i]``."""
+  for name, value in eqn.params.items():
+    inner = _as_jaxpr(value)
+    if inner is not None:
+      yield name, inner
+    elif isinstance(value, tuple | list):
+      for i, item in enumerate(value):
+        inner = _as_jaxpr(item)
+        if inner is not None:
+          yield f"{name}[{i}]", inner
+
+
+def walk(jaxpr, path: Path = ()) -> Iterator[tuple[Path, object]]:
+  """Yields (path, eqn) for every eqn of ``jaxpr`` and, recursively, of its sub-jaxprs.
+
+  ``path`` names the enclosing eqns outermost first, e.g. ``("jit:jaxpr", "scan:jaxpr")``.
+  """
+  inner = _as_jaxpr(jaxpr)
+  jaxpr = inner if inner is not None else jaxpr
   for eqn in jaxpr.eqns:
     yield path, eqn
-    for name, value in eqn.params.items():
-      for sub in _sub_jaxprs(value):
-        yield from walk(sub, f"{path}/{eqn.primitive.name}.{name}")
+    for label, sub in sub_jaxprs(eqn):
+      yield from walk(sub, path + (f"{eqn.primitive.name}:{label}",))
 
 
-def dtypes_of(jaxpr, primitive: str) -> list[tuple[tuple, tuple]]:
-  """(input dtypes, output dtypes) of every ``primitive`` eqn anywhere in ``jaxpr``."""
-  return [(tuple(v.aval.dtype for v in eqn.invars), tuple(v.aval.dtype for v in eqn.outvars))
-          for _, eqn in walk(jaxpr) if eqn.primitive.name == primitive]
+def _dtype(atom):
+  return atom.aval.dtype  # a numpy dtype, or an extended one (PRNG keys)
+
+
+def dtypes_of(jaxpr, primitive_name: str) -> list[tuple[tuple, tuple]]:
+  """(input dtypes, output dtypes) of every ``primitive_name`` eqn anywhere in ``jaxpr``."""
+  return [
+      (tuple(_dtype(a) for a in eqn.invars), tuple(_dtype(v) for v in eqn.outvars))
+      for _, eqn in walk(jaxpr)
+      if eqn.primitive.name == primitive_name
+  ]
+
+
+def primitive_names(jaxpr) -> set[str]:
+  """The names of all primitives anywhere in ``jaxpr``."""
+  return {eqn.primitive.name for _, eqn in walk(jaxpr)}
+
+
+def traced(fun, *args, **kwargs) -> jex_core.Jaxpr:
+  """``fun``'s jaxpr for ``args``, after ``check_jaxpr`` confirmed it is well typed."""
+  jaxpr = jax.make_jaxpr(fun)(*args, **kwargs).jaxpr
+  jex_core.check_jaxpr(jaxpr)
+  return jaxpr
+
+
+def float_dtypes_of(jaxpr, primitive_name: str) -> set:
+  """The floating dtypes entering and leaving every ``primitive_name`` eqn in ``jaxpr``."""
+  found = set()
+  for ins, outs in dtypes_of(jaxpr, primitive_name):
+    found.update(d for d in ins + outs if jnp.issubdtype(d, jnp.floating))
+  return found

@@ -25,7 +25,6 @@ NOT_APPLICABLE: dict[str, dict[str, str]] = {
         "_grid_sampler_2d_cpu_fallback": "JAX has no grid sampler.",
         "grid_sampler_3d": "JAX has no grid sampler.",
         "polar": "produces complex values; complex dtypes are never autocast.",
-        "view_as_complex": "produces complex values; complex dtypes are never autocast.",
         "max_unpool2d": "JAX has no max-unpooling op.",
         "max_unpool3d": "JAX has no max-unpooling op.",
         "fractional_max_pool2d": "JAX has no fractional max pooling.",

@@ -69,6 +69,7 @@ _COMBINER_PARAM = {"scatter-add": "update_jaxpr", "scatter_add": "update_jaxpr",
                    "scatter": "update_jaxpr"}
 
 _LOWER_PRIMITIVES = ("dot_general", "conv_general_dilated")
+_FLOAT32_OPS = (Category.FLOAT32, Category.FLOAT32_INSIDE)
 _BROADCASTS = ("broadcast_in_dim", "reshape", "expand_dims", "squeeze")
 
 
@@ -117,6 +118,9 @@ class Env:
     self.converts = 0  # converts emitted so far
     self.rule = ""  # the rule the current eqn ran under, for ``explain``
     self.ran_on: list | None = None  # the values the current eqn's primitive was bound on
+    self.op_run: tuple[str | None, str | None] = (None, None)  # (op, instance) of the last eqn
+    self.op_runs = 0  # op instances opened so far
+    self.exits: dict[str, tuple[Any, frozenset]] = {}  # FLOAT32_INSIDE op -> main input, shapes
     self.values: dict[Any, Any] = {}
     self.region: dict[Any, str | None] = {}
     self.casts: dict[tuple[Any, np.dtype], Any] = dict(precast or {})
@@ -196,6 +200,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
       env.region[var] = region
     for var in last_use.get(index, ()):
       del env.values[var]  # dead: let eager evaluation free it, as JAX's eval_jaxpr does
+  _leave_ops(env, jaxpr.outvars, inherited)
   return [env.read(v) for v in jaxpr.outvars]
 
 
@@ -227,27 +232,58 @@ def _eval_eqn(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
   marks = regions.marks_of(eqn)
   if marks.kept:
     env.rule = "kept"
+    env.op_run = (None, None)
+    _leave_ops(env, eqn.invars, None)
     return _bind_traced_dtypes(eqn, env), None
-  op, category = _enclosing_op(marks, ctx)
+  op, instance, category = _enclosing_op(marks, ctx, env)
+  _leave_ops(env, eqn.invars, instance)
   if op is not None:
     env.rule = f"op {op.name}: {category.value}"
-    return _eval_in_op(eqn, env, ctx, op, category), op.instance
+    return _eval_in_op(eqn, env, ctx, op, instance, category), instance
   return _eval_by_primitive(eqn, env, ctx), None
 
 
-def _enclosing_op(marks: regions.Marks, ctx: Context):
+def _enclosing_op(marks: regions.Marks, ctx: Context, env: Env):
   """The outermost op region around the eqn that the policy gives a category, and that category.
 
   An op the table does not list is a plain composition (torch decomposes it into listed ops):
   the search goes on inward, and without any listed op the eqn follows its primitive's rule.
+  Consecutive eqns of one op form one instance of it (the value-tracking key returned with
+  it); any other eqn in between ends it.
   """
   if ctx.op is not None:
-    return ctx.op, _op_category(ctx.op, ctx.policy)
+    return ctx.op, ctx.op.instance, _op_category(ctx.op, ctx.policy)
   for op in marks.ops:
     category = _op_category(op, ctx.policy)
     if category is not None:
-      return op, category
-  return None, None
+      previous_op, instance = env.op_run
+      if previous_op != op.instance:
+        env.op_runs += 1
+        instance = f"{op.instance}#{env.op_runs}"
+      env.op_run = (op.instance, instance)
+      return op, instance, category
+  env.op_run = (None, None)
+  return None, None, None
+
+
+def _leave_ops(env: Env, atoms, instance: str | None) -> None:
+  """Values leaving a FLOAT32_INSIDE op get its main input's dtype back, as torch's kernels do.
+
+  Values shaped like another input of the op are its state, not its result, and stay float32:
+  BatchNorm's running mean and variance are shaped like its scale and bias.
+  """
+  for atom in atoms:
+    if compat.is_literal(atom):
+      continue
+    region = env.region.get(atom)
+    if region is None or region == instance or region not in env.exits:
+      continue
+    main, state_shapes = env.exits[region]
+    shape = atom.aval.shape
+    if atom in env.values and _is_eligible(env.dtype(atom)) \
+        and (shape == main.shape or shape not in state_shapes):
+      env.values[atom] = env.cast(atom, main.dtype)
+      env.region[atom] = None
 
 
 def _op_category(op: regions.OpRegion, policy: Policy) -> Category | None:
@@ -266,8 +302,8 @@ def _is_float(atom) -> bool:
   return _is_eligible(atom.aval.dtype)
 
 
-def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion,
-                category: Category | None) -> list[Any]:
+def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion, instance: str,
+                category: Category) -> list[Any]:
   """Values entering the op are cast by its category; inside, everything runs natively."""
   if category is Category.FORBIDDEN:
     raise RuntimeError(
@@ -277,11 +313,36 @@ def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion,
         "optax.sigmoid_binary_cross_entropy) on logits, or call it in a "
         "jaxamp.autocast_disabled() block on float32 inputs."
     )
-  entering = [not compat.is_literal(a) and env.region.get(a) != op.instance
-              for a in eqn.invars]
+  entering = [not compat.is_literal(a) and env.region.get(a) != instance for a in eqn.invars]
+  if category is Category.FLOAT32_INSIDE:
+    _note_main_input(env, instance, eqn.invars, entering)
+  name = eqn.primitive.name
+  if name == "convert_element_type" and category in _FLOAT32_OPS and op.cast_to is None \
+      and _is_eligible(env.dtype(eqn.invars[0])) and _is_eligible(eqn.params["new_dtype"]):
+    # The library's own casts (jnp.sum's upcast-then-restore) do not leave a float32 op.
+    return [env.cast(eqn.invars[0], jnp.dtype(jnp.float32))]
+  if _keeps_dtypes(eqn):
+    return _bind_traced_dtypes(eqn, env)
+  if category is Category.LOWER and name in _LOWER_PRIMITIVES:
+    invals = _cast_for(category, eqn, env, ctx.policy)  # a low-precision op's own products
+    params = _lower_params(eqn, env, category, ctx.policy, invals)
+    return _bind_native(eqn, env, ctx._replace(op=op), invals, params)
   invals = _cast_for(category, eqn, env, ctx.policy, select=entering, cast_to=op.cast_to)
-  inner = ctx._replace(op=op)
-  return _bind_native(eqn, env, inner, invals)
+  return _bind_native(eqn, env, ctx._replace(op=op), invals)
+
+
+def _note_main_input(env: Env, instance: str, atoms, entering) -> None:
+  """Remembers the largest floating value entering an op instance, and the others' shapes."""
+  main, shapes = env.exits.get(instance, (None, frozenset()))
+  for atom, enters in zip(atoms, entering, strict=True):
+    if not enters or not _is_eligible(env.dtype(atom)):
+      continue
+    aval = compat.aval_with_dtype(atom.aval, env.dtype(atom))
+    if main is None or aval.size > main.size:
+      main, aval = aval, main
+    if aval is not None:
+      shapes |= {aval.shape}
+  env.exits[instance] = (main, shapes - {main.shape})
 
 
 def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
@@ -335,7 +396,7 @@ def _cast_for(category: Category, eqn, env: Env, policy: Policy,
            for a in atoms):
       return [env.read(a) for a in atoms]  # float64 operands: not eligible, as in torch
     target = policy.dtype
-  elif category is Category.FLOAT32:
+  elif category in (Category.FLOAT32, Category.FLOAT32_INSIDE):
     target = jnp.dtype(jnp.float32)
   elif category is Category.PROMOTE:
     strong = [env.dtype(a) for a, f in zip(atoms, floats, strict=True) if f and not _is_weak(a)]

@@ -35,6 +35,13 @@ LIBRARY_OPS = (
     (_NUMPY + "lax_numpy.py", "_pad_symmetric_or_reflect", "reflection_pad"),
     (_NUMPY + "lax_numpy.py", "_pad_edge", "replication_pad"),
     (_NUMPY + "linalg.py", "norm", "norm"),
+    (_NUMPY + "linalg.py", "pinv", "pinverse"),
+    (_NUMPY + "linalg.py", "lstsq", "linalg_lstsq"),
+    (_NUMPY + "reductions.py", "sum", "sum"),
+    (_NUMPY + "reductions.py", "prod", "prod"),
+    (_NUMPY + "reductions.py", "mean", "mean"),
+    (_NUMPY + "reductions.py", "cumsum", "cumsum"),
+    (_NUMPY + "reductions.py", "cumprod", "cumprod"),
     (_NUMPY + "reductions.py", "quantile", "quantile"),
     (_NUMPY + "reductions.py", "nanquantile", "quantile"),
     # optax losses
@@ -57,6 +64,8 @@ LIBRARY_OPS = (
     ("flax/linen/normalization.py", "GroupNorm.__call__", "group_norm"),
     ("flax/nnx/nn/normalization.py", "LayerNorm.__call__", "layer_norm"),
     ("flax/nnx/nn/normalization.py", "GroupNorm.__call__", "group_norm"),
+    ("flax/linen/normalization.py", "BatchNorm.__call__", "batch_norm"),
+    ("flax/nnx/nn/normalization.py", "BatchNorm.__call__", "batch_norm"),
 )
 
 for _path, _function, _name in LIBRARY_OPS:

@@ -38,10 +38,19 @@ from jaxamp._src import state_tree
 __all__ = [
     "DynamicLossScaleState",
     "dynamic_loss_scale",
+    "get_backoff_factor",
+    "get_growth_factor",
+    "get_growth_interval",
     "get_scale",
+    "is_enabled",
     "load_state_dict",
     "scale_loss",
+    "set_backoff_factor",
+    "set_growth_factor",
+    "set_growth_interval",
+    "set_scale",
     "state_dict",
+    "unscale",
 ]
 
 
@@ -63,16 +72,24 @@ class LossScaleHyperparams:
     backoff_factor: factor the scale is multiplied by after a non-finite step.
     growth_interval: number of consecutive finite steps before the scale grows.
     enabled: ``False`` makes the scaler a pass-through of the inner optimizer.
+    axis_name: the mapped axis name(s) the finite check is reduced over (``update`` and
+      ``unscale``), or ``None``. Part of the program, not of its state: checkpoints leave it out.
   """
 
   growth_factor: float
   backoff_factor: float
   growth_interval: int
   enabled: bool = True
+  axis_name: Any = None
 
 
 def _hyperparams_to_state_dict(hp: LossScaleHyperparams) -> dict[str, Any]:
-  return dataclasses.asdict(hp)
+  return {
+      "growth_factor": hp.growth_factor,
+      "backoff_factor": hp.backoff_factor,
+      "growth_interval": hp.growth_interval,
+      "enabled": hp.enabled,
+  }
 
 
 def _hyperparams_from_state_dict(
@@ -80,7 +97,8 @@ def _hyperparams_from_state_dict(
 ) -> LossScaleHyperparams:
   if not state:
     return target
-  return LossScaleHyperparams(
+  return dataclasses.replace(  # the axis name comes from the target, i.e. from the program
+      target,
       growth_factor=float(state["growth_factor"]),
       backoff_factor=float(state["backoff_factor"]),
       growth_interval=int(state["growth_interval"]),
@@ -113,7 +131,7 @@ class DynamicLossScaleState(NamedTuple):
     skipped_steps: int32 number of updates skipped since ``init`` (saturates, never wraps).
     inner_state: the state of the wrapped optimizer.
     hyperparams: the static ``LossScaleHyperparams`` (growth/backoff factors, growth interval,
-      enabled flag); also readable as ``state.growth_factor`` etc.
+      enabled flag, axis name); also readable as ``state.growth_factor`` etc.
   """
 
   scale: Any
@@ -305,6 +323,7 @@ def _check_args(
     backoff_factor: Any,
     growth_interval: Any,
     enabled: Any,
+    axis_name: Any,
 ) -> None:
   """Validates ``dynamic_loss_scale``'s arguments the way torch's ``GradScaler`` does, and more."""
   if not isinstance(inner, optax.GradientTransformation):
@@ -316,34 +335,55 @@ def _check_args(
         f"{type(inner).__name__}: {inner!r}{hint}."
     )
   _check_hyperparams(growth_factor, backoff_factor, growth_interval)
-  _check_real("init_scale", init_scale)
-  with np.errstate(over="ignore"):
-    as_float32 = float(np.float32(init_scale))
-  if not 0.0 < as_float32 < math.inf:
-    raise ValueError(
-        "`init_scale` must be > 0 and finite in float32 (at most 3.4028235e38), "
-        f"got {init_scale!r}."
-    )
+  _check_positive_scale("init_scale", init_scale)
   if not isinstance(enabled, (bool, np.bool_)):
     raise TypeError(f"`enabled` must be a bool, got {type(enabled).__name__}: {enabled!r}.")
+  try:
+    hash(axis_name)
+  except TypeError:
+    raise TypeError(
+        f"`axis_name` must be None, an axis name or a tuple of axis names, got "
+        f"{type(axis_name).__name__}: {axis_name!r}."
+    ) from None
 
 
 def _check_real(name: str, value: Any) -> None:
   """Raises a TypeError unless ``value`` is a real Python/NumPy number (bools are not)."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-    raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}: {value!r}.")
+    hint = ""
+    if isinstance(value, jax.Array):
+      hint = " (hyperparameters are static Python numbers, not arrays)"
+    raise TypeError(
+        f"`{name}` must be a real number{hint}, got {type(value).__name__}: {value!r}."
+    )
 
 
-def _check_hyperparams(growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> None:
-  """Validates the hyperparameters kept in the state (also used by ``load_state_dict``)."""
+def _check_positive_scale(name: str, value: Any) -> None:
+  """A scale given as a number must be > 0 and finite once rounded to float32."""
+  _check_real(name, value)
+  with np.errstate(over="ignore"):
+    as_float32 = float(np.float32(value))
+  if not 0.0 < as_float32 < math.inf:
+    raise ValueError(
+        f"`{name}` must be > 0 and finite in float32 (at most 3.4028235e38), got {value!r}."
+    )
+
+
+def _check_growth_factor(growth_factor: Any) -> None:
   _check_real("growth_factor", growth_factor)
   if not 1.0 < float(growth_factor) < math.inf:
     raise ValueError(f"`growth_factor` must be > 1.0 and finite, got {growth_factor!r}.")
+
+
+def _check_backoff_factor(backoff_factor: Any) -> None:
   _check_real("backoff_factor", backoff_factor)
   if not 0.0 < float(backoff_factor) < 1.0:
     raise ValueError(
         f"`backoff_factor` must satisfy 0 < backoff_factor < 1, got {backoff_factor!r}."
     )
+
+
+def _check_growth_interval(growth_interval: Any) -> None:
   if isinstance(growth_interval, (bool, np.bool_)) or not isinstance(
       growth_interval, numbers.Integral
   ):
@@ -355,6 +395,13 @@ def _check_hyperparams(growth_factor: Any, backoff_factor: Any, growth_interval:
     raise ValueError(
         f"`growth_interval` must be an int in [1, 2**31 - 1], got {growth_interval!r}."
     )
+
+
+def _check_hyperparams(growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> None:
+  """Validates the hyperparameters kept in the state (constructor, setters, load_state_dict)."""
+  _check_growth_factor(growth_factor)
+  _check_backoff_factor(backoff_factor)
+  _check_growth_interval(growth_interval)
 
 
 def _tree_found_inf(tree: Any) -> jax.Array:
@@ -377,6 +424,34 @@ def _tree_unscale(tree: Any, scale: jax.Array) -> Any:
     return (jnp.asarray(g, compute) * a.astype(compute) * b.astype(compute)).astype(dtype)
 
   return jax.tree.map(unscale, tree)
+
+
+def _unscale_and_check(
+    grads: Any, scale: jax.Array, axis_name: Any
+) -> tuple[Any, jax.Array]:
+  """torch's ``_amp_foreach_non_finite_check_and_unscale_``: ``(unscaled grads, found_inf)``.
+
+  ``found_inf`` is about the *scaled* gradients, as in torch, reduced over ``axis_name``.
+  ``update`` and ``unscale`` share this, so both give the same bits.
+  """
+  found_inf = _tree_found_inf(grads)
+  if axis_name is not None:
+    found_inf = lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
+  return _tree_unscale(grads, scale), found_inf
+
+
+def _check_found_inf(found_inf: Any) -> jax.Array:
+  """The ``found_inf`` extra argument of ``update``: a bool scalar (``unscale``'s second output)."""
+  is_array = isinstance(found_inf, (bool, np.bool_, jax.Array, np.ndarray))
+  if not (is_array and jnp.shape(found_inf) == () and jnp.result_type(found_inf) == jnp.bool_):
+    what = type(found_inf).__name__
+    if hasattr(found_inf, "dtype") and hasattr(found_inf, "shape"):
+      what = f"a {found_inf.dtype} array of shape {tuple(found_inf.shape)}"
+    raise TypeError(
+        "`found_inf` must be a bool scalar (the second output of `jaxamp.unscale`), got "
+        f"{what}."
+    )
+  return jnp.asarray(found_inf)
 
 
 def _next_scale(
@@ -431,15 +506,24 @@ def dynamic_loss_scale(
       see different gradients (e.g. sharded parameters, or gradients not yet averaged).
 
   Returns:
-    A ``GradientTransformationExtraArgs`` whose extra arguments are forwarded to ``inner``.
+    A ``GradientTransformationExtraArgs``. Its ``update(grads, state, params, **extra_args)``
+    forwards the extra arguments to ``inner``, except ``found_inf``: passing the ``found_inf``
+    returned by ``unscale`` says that ``grads`` are already unscaled (torch's ``unscale_`` before
+    ``step``), so ``update`` neither unscales nor checks them again and skips the step exactly when
+    ``found_inf`` is true.
   """
-  _check_args(inner, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
+  _check_args(
+      inner, init_scale, growth_factor, backoff_factor, growth_interval, enabled, axis_name
+  )
   inner = optax.with_extra_args_support(inner)
   hyperparams = LossScaleHyperparams(
       growth_factor=float(growth_factor),
       backoff_factor=float(backoff_factor),
       growth_interval=int(growth_interval),
       enabled=bool(enabled),
+      axis_name=axis_name,
   )
 
   def init_fn(params: optax.Params) -> DynamicLossScaleState:
@@ -457,16 +541,18 @@ def dynamic_loss_scale(
       updates: optax.Updates,
       state: DynamicLossScaleState,
       params: optax.Params | None = None,
+      *,
+      found_inf: Any = None,
       **extra_args: Any,
   ) -> tuple[optax.Updates, DynamicLossScaleState]:
-    if not state.hyperparams.enabled:
+    if not state.hyperparams.enabled:  # found_inf is ignored: unscale returned False
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
 
-    found_inf = _tree_found_inf(updates)
-    if axis_name is not None:
-      found_inf = lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
-    grads = _tree_unscale(updates, state.scale)
+    if found_inf is None:
+      grads, found_inf = _unscale_and_check(updates, state.scale, state.hyperparams.axis_name)
+    else:  # already unscaled by `unscale` (torch's unscale_ before step): used as given
+      grads, found_inf = updates, _check_found_inf(found_inf)
 
     def do_update(_: None) -> tuple[optax.Updates, optax.OptState]:
       return inner.update(grads, state.inner_state, params, **extra_args)
@@ -502,6 +588,11 @@ def _find(opt_state: Any) -> DynamicLossScaleState:
   return state_tree.tree_find_one(opt_state, DynamicLossScaleState, "opt_state")
 
 
+def _replace(opt_state: Any, fn: Any) -> Any:
+  """``opt_state`` with its one scaler state ``s`` replaced by ``fn(s)``."""
+  return state_tree.tree_replace_one(opt_state, DynamicLossScaleState, fn, "opt_state")
+
+
 def get_scale(opt_state: Any) -> jax.Array:
   """The current loss scale, a float32 scalar array (1.0 when the scaler is disabled).
 
@@ -515,15 +606,38 @@ def get_scale(opt_state: Any) -> jax.Array:
   return jnp.asarray(state_tree.tree_unwrap(state.scale), jnp.float32)
 
 
-def scale_loss(loss: chex.ArrayTree, opt_state: Any) -> chex.ArrayTree:
-  """``loss * scale`` (torch's ``scaler.scale(outputs)``), computed and returned in float32.
+def _scaled_dtype(x: Any) -> jnp.dtype:
+  """The dtype of torch's ``outputs * scale`` for a float32 0-d ``scale``.
 
-  The product's dtype is ``promote_types(loss.dtype, float32)``: float16/bfloat16/float32 losses
-  give float32, float64 losses float64. torch gives the same for the usual 0-d loss (a 0-d float16
-  tensor times the 0-d float32 scale is float32), but keeps float16 for non-scalar float16 outputs,
-  where ``65504 * 2**16`` overflows; returning float32 always is what a caller differentiating the
-  result needs. ``loss`` may be a pytree of losses; the scale is not differentiated. When the
-  scaler is disabled ``loss`` is returned unmodified, as in torch.
+  A 0-d scale does not widen a floating n-d tensor (float16/bfloat16 stay what they are); a 0-d
+  output promotes with float32 (float16 -> float32, float64 stays); integers and bools become
+  float32.
+  """
+  dtype = jnp.result_type(x)
+  if jnp.ndim(x) > 0 and jnp.issubdtype(dtype, jnp.inexact):
+    return dtype
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _check_output(x: Any) -> None:
+  if not isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+    raise TypeError(
+        "`loss` must be an array or a pytree of arrays (torch: a Tensor or an iterable of "
+        f"Tensors), got a leaf of type {type(x).__name__}: {x!r}."
+    )
+
+
+def scale_loss(loss: chex.ArrayTree, opt_state: Any) -> chex.ArrayTree:
+  """``loss * scale``: torch's ``scaler.scale(outputs)``, with torch's result dtypes.
+
+  ``loss`` is one array or any pytree of them (torch takes a tensor, a list or a tuple); the result
+  has the same structure. Each leaf's dtype is what torch gives for ``output * scale`` with the
+  float32 0-d scale: a 0-d loss (the usual case) promotes with float32, so float16/bfloat16/
+  float32 losses give float32 and float64 gives float64; an n-d floating output keeps its dtype
+  (float16 stays float16, and ``65504 * 2**16`` is inf there, as in torch); integer and bool
+  outputs give float32. The product is formed in ``promote_types(dtype, float32)`` and then
+  rounded to that dtype, as torch's CPU kernel does for a 0-d scale. The scale is not
+  differentiated. When the scaler is disabled ``loss`` is returned unmodified, as in torch.
   """
   state = _find(opt_state)
   if not state.enabled:
@@ -531,10 +645,122 @@ def scale_loss(loss: chex.ArrayTree, opt_state: Any) -> chex.ArrayTree:
   scale = lax.stop_gradient(get_scale(opt_state))
 
   def scale_one(x: Any) -> jax.Array:
-    dtype = jnp.promote_types(jnp.result_type(x), jnp.float32)
-    return jnp.asarray(x, dtype) * scale.astype(dtype)
+    _check_output(x)
+    dtype = _scaled_dtype(x)
+    compute = jnp.promote_types(dtype, jnp.float32)
+    return (jnp.asarray(x, compute) * scale.astype(compute)).astype(dtype)
 
   return jax.tree.map(scale_one, loss)
+
+
+def unscale(grads: optax.Updates, opt_state: Any) -> tuple[optax.Updates, jax.Array]:
+  """torch's ``scaler.unscale_(optimizer)``, functionally: ``(unscaled grads, found_inf)``.
+
+  ``grads`` (of the scaled loss) are multiplied in float32 by ``float32(1 / float64(scale))``, the
+  exact inverse ``update`` uses, and cast back to each leaf's dtype (float16 leaves included,
+  which torch's ``unscale_`` refuses). ``found_inf`` is a bool scalar: whether any *scaled*
+  gradient is Inf or NaN, reduced over the scaler's ``axis_name`` if it has one. ``opt_state`` is
+  not changed. A disabled scaler returns ``grads`` unmodified and ``False``.
+
+  Use it to inspect or modify (e.g. clip) unscaled gradients before the update; then call
+  ``tx.update(grads, opt_state, params, found_inf=found_inf)`` so that the update does not unscale
+  them again (torch's ``step`` after ``unscale_``). To only inspect them, pass the original scaled
+  gradients to ``tx.update`` and no ``found_inf``: both give the same bits.
+  """
+  state = _find(opt_state)
+  if not state.enabled:
+    return grads, jnp.array(False)
+  scale = jnp.asarray(state_tree.tree_unwrap(state.scale), jnp.float32)
+  return _unscale_and_check(grads, scale, state.hyperparams.axis_name)
+
+
+def _as_new_scale(new_scale: Any) -> Any:
+  """Validates ``set_scale``'s ``new_scale``; returns a Python float or a float32 0-d array."""
+  if isinstance(new_scale, float):  # np.float64 too
+    _check_positive_scale("new_scale", new_scale)
+    return new_scale
+  if isinstance(new_scale, (jax.Array, np.ndarray, np.generic)):
+    if new_scale.dtype == jnp.float32 and new_scale.size == 1:
+      return jnp.reshape(new_scale, ())
+    got = f"a {new_scale.dtype} array of shape {tuple(new_scale.shape)}"
+  else:
+    got = f"{type(new_scale).__name__}: {new_scale!r}"
+  raise TypeError(
+      f"`new_scale` must be a float or a 1-element float32 array (as torch's "
+      f"`GradScaler.update(new_scale)`), got {got}."
+  )
+
+
+def set_scale(opt_state: Any, new_scale: float | jax.Array) -> Any:
+  """torch's ``scaler.update(new_scale)``: ``opt_state`` with the scale set to ``new_scale``.
+
+  ``new_scale`` is a Python float (rounded to float32; it must be > 0 and finite there) or a
+  1-element float32 array (any shape with one element, traced or not; its value is not checked,
+  which would need a host sync, as in torch). The growth tracker, ``found_inf``, the skipped-step
+  count, the hyperparameters and the inner state are untouched. Works under ``jit``. Returns a new
+  tree of the same structure (an ``nnx.Optimizer`` is updated in place and returned). A disabled
+  scaler ignores the call, as in torch, after the same validation.
+  """
+  value = _as_new_scale(new_scale)
+  if not _find(opt_state).enabled:
+    return opt_state
+  return _replace(opt_state, lambda s: s._replace(scale=_like(s.scale, value, jnp.float32)))
+
+
+def _replace_hyperparams(opt_state: Any, **changes: Any) -> Any:
+  return _replace(
+      opt_state, lambda s: s._replace(hyperparams=dataclasses.replace(s.hyperparams, **changes))
+  )
+
+
+def get_growth_factor(opt_state: Any) -> float:
+  """torch's ``scaler.get_growth_factor()``: the growth factor, a Python float."""
+  return _find(opt_state).growth_factor
+
+
+def get_backoff_factor(opt_state: Any) -> float:
+  """torch's ``scaler.get_backoff_factor()``: the backoff factor, a Python float."""
+  return _find(opt_state).backoff_factor
+
+
+def get_growth_interval(opt_state: Any) -> int:
+  """torch's ``scaler.get_growth_interval()``: the growth interval, a Python int."""
+  return _find(opt_state).growth_interval
+
+
+def is_enabled(opt_state: Any) -> bool:
+  """torch's ``scaler.is_enabled()``: whether the scaler in ``opt_state`` is enabled."""
+  return _find(opt_state).enabled
+
+
+def set_growth_factor(opt_state: Any, new_factor: float) -> Any:
+  """torch's ``scaler.set_growth_factor(new_factor)``, returning the new ``opt_state``.
+
+  ``new_factor`` is validated as ``dynamic_loss_scale``'s ``growth_factor`` (a real number > 1,
+  finite). It is a static hyperparameter: a jitted step retraces once for the new value.
+  """
+  _check_growth_factor(new_factor)
+  return _replace_hyperparams(opt_state, growth_factor=float(new_factor))
+
+
+def set_backoff_factor(opt_state: Any, new_factor: float) -> Any:
+  """torch's ``scaler.set_backoff_factor(new_factor)``, returning the new ``opt_state``.
+
+  ``new_factor`` is validated as ``dynamic_loss_scale``'s ``backoff_factor`` (in (0, 1)).
+  """
+  _check_backoff_factor(new_factor)
+  return _replace_hyperparams(opt_state, backoff_factor=float(new_factor))
+
+
+def set_growth_interval(opt_state: Any, new_interval: int) -> Any:
+  """torch's ``scaler.set_growth_interval(new_interval)``, returning the new ``opt_state``.
+
+  ``new_interval`` is validated as ``dynamic_loss_scale``'s ``growth_interval`` (an int >= 1).
+  The growth tracker is kept, as in torch: it is compared with the new interval from the next
+  update on (a tracker already past it counts up without growing until the next overflow).
+  """
+  _check_growth_interval(new_interval)
+  return _replace_hyperparams(opt_state, growth_interval=int(new_interval))
 
 
 _STATE_DICT_KEYS = (
@@ -572,14 +798,27 @@ def _like(old: Any, value: Any, dtype: Any) -> Any:
   return new
 
 
+class EmptyStateDictError(RuntimeError, ValueError):
+  """``load_state_dict`` of ``{}`` into an enabled scaler.
+
+  A ``RuntimeError``, as torch raises, and a ``ValueError``, as jaxamp raises for bad values.
+  """
+
+
 def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
   """torch's ``GradScaler.load_state_dict``: returns ``opt_state`` with the scaler state replaced.
+
+  Restores what torch restores: the scale (rounded to float32, as torch's ``fill_``), the growth
+  tracker, and the three hyperparameters, the factors kept to the last float64 bit; extra keys are
+  ignored. ``enabled`` is not in the dict and stays as it is. A disabled scaler ignores the dict
+  (whatever it holds), as in torch. For an enabled one, an empty dict (saved from a disabled
+  scaler) raises ``EmptyStateDictError``, a ``RuntimeError`` as in torch; missing keys and values
+  ``dynamic_loss_scale`` would reject raise ``ValueError``/``TypeError`` (torch checks nothing).
 
   The result has the structure of ``opt_state`` (a chain tuple stays a tuple, a ``TrainState`` a
   ``TrainState``); the scale and growth tracker keep their dtype, shape and sharding. Loading other
   factors or interval than the current ones changes the static hyperparameters and hence the
   treedef, so a jitted step retraces once. An ``nnx.Optimizer`` is updated in place and returned.
-  A disabled scaler ignores the dict, as in torch; an empty dict for an enabled one is an error.
   """
   state = _find(opt_state)
   if not state.enabled:
@@ -587,9 +826,10 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
   if not isinstance(state_dict, dict):
     raise TypeError(f"`state_dict` must be a dict, got {type(state_dict).__name__}.")
   if not state_dict:
-    raise ValueError(
-        "`state_dict` is empty, possibly because it was saved from a disabled scaler; expected "
-        f"the keys {list(_STATE_DICT_KEYS)}."
+    raise EmptyStateDictError(
+        "`state_dict` is empty, possibly because it was saved from a disabled scaler (torch: "
+        "\"The source state dict is empty, possibly because it was saved from a disabled "
+        f"instance of GradScaler.\"); expected the keys {list(_STATE_DICT_KEYS)}."
     )
   missing = [k for k in _STATE_DICT_KEYS if k not in state_dict]
   if missing:
@@ -600,24 +840,32 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
   _check_hyperparams(
       state_dict["growth_factor"], state_dict["backoff_factor"], state_dict["growth_interval"]
   )
-  _check_real("scale", state_dict["scale"])
+  scale = state_dict["scale"]
+  _check_real("scale", scale)
+  with np.errstate(over="ignore"):
+    if not 0.0 <= float(np.float32(scale)) < math.inf:
+      raise ValueError(
+          f"`scale` must be >= 0 and finite in float32 (a scale backs off to 0 at worst), got "
+          f"{scale!r}."
+      )
   tracker = state_dict["_growth_tracker"]
   if isinstance(tracker, (bool, np.bool_)) or not isinstance(tracker, numbers.Integral):
     raise TypeError(
         f"`_growth_tracker` must be an int, got {type(tracker).__name__}: {tracker!r}."
     )
-  hyperparams = LossScaleHyperparams(
-      growth_factor=float(state_dict["growth_factor"]),
-      backoff_factor=float(state_dict["backoff_factor"]),
-      growth_interval=int(state_dict["growth_interval"]),
-      enabled=True,
-  )
+  if not 0 <= int(tracker) <= np.iinfo(np.int32).max:
+    raise ValueError(f"`_growth_tracker` must be an int in [0, 2**31 - 1], got {tracker!r}.")
 
   def load(old: DynamicLossScaleState) -> DynamicLossScaleState:
     return old._replace(
-        scale=_like(old.scale, float(state_dict["scale"]), jnp.float32),
+        scale=_like(old.scale, float(scale), jnp.float32),
         growth_tracker=_like(old.growth_tracker, int(tracker), jnp.int32),
-        hyperparams=hyperparams,
+        hyperparams=dataclasses.replace(  # keeps `enabled` and `axis_name`
+            old.hyperparams,
+            growth_factor=float(state_dict["growth_factor"]),
+            backoff_factor=float(state_dict["backoff_factor"]),
+            growth_interval=int(state_dict["growth_interval"]),
+        ),
     )
 
-  return state_tree.tree_replace_nodes(opt_state, DynamicLossScaleState, load)
+  return _replace(opt_state, load)

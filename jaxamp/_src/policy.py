@@ -23,6 +23,7 @@ class Category(enum.Enum):
 
   LOWER = "lower"  # cast to the autocast dtype (float16 / bfloat16)
   FLOAT32 = "float32"  # cast to float32
+  FLOAT32_INSIDE = "float32_inside"  # compute in float32, return the main input's dtype
   PROMOTE = "promote"  # cast to the widest floating input dtype
   NATIVE = "native"  # unlisted op: run in the dtypes its inputs already have
   FORBIDDEN = "forbidden"  # raises inside an autocast region (binary_cross_entropy on cuda)

@@ -74,3 +74,9 @@ def tree_replace_nodes(tree: Any, node_type: type, fn: Callable[[Any], Any]) -> 
     tree.opt_state = nnx.data(replace(tree.opt_state))
     return tree
   return replace(tree)
+
+
+def tree_replace_one(tree: Any, node_type: type, fn: Callable[[Any], Any], tree_name: str) -> Any:
+  """``tree_replace_nodes`` for a tree holding exactly one ``node_type`` node (else ValueError)."""
+  tree_find_one(tree, node_type, tree_name)
+  return tree_replace_nodes(tree, node_type, fn)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from jaxamp._src.policy import Category, Row, Table, register_table
 
-L, F, P, N = Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.NATIVE
+L, F, P, N, F_IN = (Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.NATIVE,
+                    Category.FLOAT32_INSIDE)
 
 ROWS = (
     # --- bfloat16 --------------------------------------------------------------------------------
@@ -21,17 +22,19 @@ ROWS = (
     Row(("scaled_dot_product_attention", "_native_multi_head_attention"), L,
         ops=("scaled_dot_product_attention",)),
     # --- float32: primitives ---------------------------------------------------------------------
-    Row(("prod",), F, primitives=("reduce_prod",)),
+    Row(("prod",), F, primitives=("reduce_prod",), ops=("prod",)),
     Row(("cholesky", "linalg_cholesky", "linalg_cholesky_ex", "cholesky_inverse",
          "cholesky_solve"), F, primitives=("cholesky",)),
     Row(("triangular_solve", "lu_solve"), F, primitives=("triangular_solve",)),
     Row(("_lu_with_info", "inverse", "linalg_inv", "linalg_inv_ex", "linalg_solve",
          "linalg_tensorinv", "linalg_tensorsolve"), F, primitives=("lu",)),
     Row(("qr", "linalg_qr", "geqrf"), F, primitives=("qr", "geqrf", "geqp3")),
-    Row(("orgqr", "ormqr", "linalg_householder_product"), F,
-        primitives=("householder_product",)),
-    Row(("svd", "linalg_svd", "linalg_svdvals", "pinverse", "linalg_matrix_rank", "linalg_cond",
-         "linalg_lstsq"), F, primitives=("svd",)),
+    Row(("orgqr", "linalg_householder_product"), F, primitives=("householder_product",)),
+    Row(("ormqr",), F, primitives=("ormqr",)),
+    Row(("svd", "linalg_svd", "linalg_svdvals", "linalg_matrix_rank", "linalg_cond"), F,
+        primitives=("svd",)),
+    Row(("pinverse",), F, ops=("pinverse",)),
+    Row(("linalg_lstsq",), F, ops=("linalg_lstsq",)),
     Row(("linalg_eigh", "linalg_eigvalsh"), F, primitives=("eigh",)),
     Row(("linalg_eig", "linalg_eigvals"), F, primitives=("eig",)),
     Row(("fft_fft", "fft_ifft", "fft_fft2", "fft_ifft2", "fft_fftn", "fft_ifftn", "fft_rfft",
@@ -41,6 +44,7 @@ ROWS = (
     Row(("max_pool3d", "adaptive_max_pool3d"), F, primitives=("reduce_window_max[3d]",)),
     # --- float32: composites ---------------------------------------------------------------------
     Row(("trace",), F, ops=("trace",)),
+    Row(("view_as_complex",), F, primitives=("complex",)),
     Row(("quantile", "nanquantile"), F, ops=("quantile",)),
     Row(("cdist",), F, ops=("cdist",)),
     Row(("reflection_pad1d", "reflection_pad2d"), F, ops=("reflection_pad",)),
@@ -64,15 +68,18 @@ ROWS = (
     Row(("multilabel_margin_loss", "multilabel_margin_loss_forward"), F,
         ops=("multilabel_margin_loss",)),
     Row(("ctc_loss",), F, ops=("ctc_loss",)),
-    # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
-    # (ops torch decomposes into listed ones, like tensordot into mm, have no row: their
-    # primitives follow their own rules)
-    Row(("softmax", "softmin", "log_softmax", "softplus", "layer_norm", "group_norm", "norm",
-         "normalize", "dist", "pdist", "renorm", "cosine_similarity", "cross", "gelu", "silu",
-         "elu", "celu", "selu", "logsigmoid", "mish", "glu"), N,
-        ops=("softmax", "softmin", "log_softmax", "softplus", "layer_norm", "group_norm", "norm",
-             "normalize", "dist", "pdist", "renorm", "cosine_similarity", "cross", "gelu", "silu",
-             "elu", "celu", "selu", "log_sigmoid", "mish", "glu")),
+    # --- unlisted single kernels in torch: they return their input's dtype -----------------
+    # torch's CPU softmax and norm kernels accumulate in float32 and return the input dtype.
+    Row(("softmax", "softmin", "log_softmax", "layer_norm", "group_norm", "batch_norm", "sum",
+         "mean"), F_IN,
+        ops=("softmax", "softmin", "log_softmax", "layer_norm", "group_norm", "batch_norm", "sum",
+             "mean")),
+    # Ops torch decomposes into listed ones, like tensordot into mm, have no row: their
+    # primitives follow their own rules.
+    Row(("softplus", "norm", "normalize", "dist", "pdist", "renorm", "cosine_similarity", "cross",
+         "gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu"), N,
+        ops=("softplus", "norm", "normalize", "dist", "pdist", "renorm", "cosine_similarity",
+             "cross", "gelu", "silu", "elu", "celu", "selu", "log_sigmoid", "mish", "glu")),
     # --- promote to the widest input type -------------------------------------------------------
     Row(("cat", "stack"), P, primitives=("concatenate",)),
     Row(("index_copy",), P, primitives=("scatter",)),

@@ -19,6 +19,8 @@ ROWS = (
     Row(("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
         L, primitives=("conv_general_dilated",)),
     Row(("prelu",), L, ops=("prelu",)),
+    # torch's source lists scaled_dot_product_attention for CUDA too (not in the reference doc).
+    Row(("scaled_dot_product_attention",), L, ops=("scaled_dot_product_attention",)),
     # --- float32: primitives ---------------------------------------------------------------------
     Row(("__pow__", "__rpow__", "pow"), F, primitives=("pow", "integer_pow", "square")),
     Row(("__rdiv__", "__rtruediv__", "reciprocal"), F, primitives=("div[rdiv]",)),
@@ -33,10 +35,10 @@ ROWS = (
     Row(("log", "log10", "log2"), F, primitives=("log",)),
     Row(("log1p",), F, primitives=("log1p",)),
     Row(("rsqrt",), F, primitives=("rsqrt",)),
-    Row(("sum",), F, primitives=("reduce_sum",)),
-    Row(("prod",), F, primitives=("reduce_prod",)),
-    Row(("cumsum",), F, primitives=("cumsum",)),
-    Row(("cumprod",), F, primitives=("cumprod",)),
+    Row(("sum",), F, primitives=("reduce_sum",), ops=("sum",)),
+    Row(("prod",), F, primitives=("reduce_prod",), ops=("prod",)),
+    Row(("cumsum",), F, primitives=("cumsum",), ops=("cumsum",)),
+    Row(("cumprod",), F, primitives=("cumprod",), ops=("cumprod",)),
     # logcumsumexp is not in the reference list, but is the cumulative form of exp+sum.
     Row(("logcumsumexp",), F, primitives=("cumlogsumexp",)),
     # --- float32: composites ---------------------------------------------------------------------
@@ -74,6 +76,12 @@ ROWS = (
         ops=("addcdiv", "addcmul", "cross", "tensordot", "dot", "bilinear")),
     Row(("scatter_add",), P, primitives=("scatter-add", "scatter_add")),
     Row(("index_put",), P, primitives=("scatter",)),
+    # --- JAX has no complex32: lax.complex only takes float32/float64 parts ------------------
+    Row(("view_as_complex",), F, primitives=("complex",)),
+    # --- mean is unlisted: torch's kernel accumulates in float32, returns the input dtype ----
+    Row(("mean",), Category.FLOAT32_INSIDE, ops=("mean",)),
+    # --- batch_norm is unlisted: its kernel computes in float32 and returns the input dtype ---
+    Row(("batch_norm",), Category.FLOAT32_INSIDE, ops=("batch_norm",)),
     # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
     # (without these rows, gelu's x**3 or elu's expm1 would follow the float32 pow/expm1 rows)
     Row(("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu"), N,

@@ -24,8 +24,8 @@ ROWS = (
     Row(("exp",), F, primitives=("exp",)),
     Row(("log",), F, primitives=("log",)),
     Row(("rsqrt",), F, primitives=("rsqrt",)),
-    Row(("sum",), F, primitives=("reduce_sum",)),
-    Row(("cumsum",), F, primitives=("cumsum",)),
+    Row(("sum",), F, primitives=("reduce_sum",), ops=("sum",)),
+    Row(("cumsum",), F, primitives=("cumsum",), ops=("cumsum",)),
     # --- float32: composites ---------------------------------------------------------------------
     Row(("softmax",), F, ops=("softmax",)),
     Row(("softmin",), F, ops=("softmin",)),
@@ -49,6 +49,12 @@ ROWS = (
     Row(("bilinear", "cross", "tensordot"), P, ops=("bilinear", "cross", "tensordot")),
     Row(("scatter_add",), P, primitives=("scatter-add", "scatter_add")),
     Row(("index_put",), P, primitives=("scatter",)),
+    # --- JAX has no complex32: lax.complex only takes float32/float64 parts ------------------
+    Row(("view_as_complex",), F, primitives=("complex",)),
+    # --- mean is unlisted: torch's kernel accumulates in float32, returns the input dtype ----
+    Row(("mean",), Category.FLOAT32_INSIDE, ops=("mean",)),
+    # --- batch_norm is unlisted: its kernel computes in float32 and returns the input dtype ---
+    Row(("batch_norm",), Category.FLOAT32_INSIDE, ops=("batch_norm",)),
     # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
     Row(("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu", "softplus", "norm",
          "pdist", "renorm"), N,
