@@ -16,9 +16,10 @@ kernels return the input's dtype). Deprecated torch arguments (``size_average``,
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -620,30 +621,39 @@ def renorm(input: Array, p: float, dim: int, maxnorm: float) -> Array:
 # --- activations and normalisation -------------------------------------------------------------
 
 
-def _explicit_dtype(input: Array, dtype) -> Array:
-  return jnp.asarray(input) if dtype is None else jnp.asarray(input).astype(dtype)
+def _explicit_dtype(op: Callable[..., Array]) -> Callable[..., Array]:
+  """torch: an op called with an explicit ``dtype=`` is not autocast; it runs in that dtype."""
+
+  @functools.wraps(op)
+  def wrapped(input: Array, dim: int | None = None, *, dtype=None) -> Array:
+    if dtype is None:
+      return op(input, dim)
+    with regions.kept_region():
+      return op(jnp.asarray(input).astype(dtype), dim)
+
+  return wrapped
 
 
+@_explicit_dtype
 @regions.register_op("softmax")
-def softmax(input: Array, dim: int | None = None, *, dtype=None) -> Array:
+def softmax(input: Array, dim: int | None = None) -> Array:
   """``torch.nn.functional.softmax`` (``dtype`` casts the input first, as in torch)."""
-  input = _explicit_dtype(input, dtype)
   (x,) = _arrays(input)
   return _softmax(x, _softmax_dim("softmax", x.ndim, dim))
 
 
+@_explicit_dtype
 @regions.register_op("log_softmax")
-def log_softmax(input: Array, dim: int | None = None, *, dtype=None) -> Array:
+def log_softmax(input: Array, dim: int | None = None) -> Array:
   """``torch.nn.functional.log_softmax``."""
-  input = _explicit_dtype(input, dtype)
   (x,) = _arrays(input)
   return _log_softmax(x, _softmax_dim("log_softmax", x.ndim, dim))
 
 
+@_explicit_dtype
 @regions.register_op("softmin")
-def softmin(input: Array, dim: int | None = None, *, dtype=None) -> Array:
+def softmin(input: Array, dim: int | None = None) -> Array:
   """``torch.nn.functional.softmin``: ``softmax(-input)``."""
-  input = _explicit_dtype(input, dtype)
   (x,) = _arrays(input)
   return _softmax(-x, _softmax_dim("softmin", x.ndim, dim))
 

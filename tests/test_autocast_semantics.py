@@ -134,6 +134,11 @@ def test_bias_add_after_a_dot_stays_in_the_low_dtype():
   assert fun(X, W, B).dtype == jnp.float16
 
 
+def test_bias_add_of_a_batch_of_one_stays_in_the_low_dtype():
+  dense = lambda x, w, b: x @ w + jnp.reshape(b, (1, -1))  # flax Dense: no broadcast at batch 1
+  assert jaxamp.autocast(dense, device_type="cuda")(X[:1], W, B).dtype == jnp.float16
+
+
 def test_add_of_two_full_tensors_after_a_dot_promotes():
   fun = jaxamp.autocast(lambda x, w, y: x @ w + y, device_type="cuda")
   assert fun(X, W, X).dtype == jnp.float32

@@ -210,6 +210,27 @@ def _shard_map_rule(eqn, invals, env, ctx):
   return list(mapped(*invals))
 
 
+@register_higher_order("custom_linear_solve")
+def _linear_solve_rule(eqn, invals, env, ctx):
+  """Each of the solve's functions (matvec, solve, ...) maps vectors of ``b``'s dtype to it."""
+  lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
+  n_consts = sum(lengths)
+  b = invals[n_consts:]
+  b_dtypes = tuple(compat.typeof(v).dtype for v in b)
+  new, start = [], 0
+  for length, closed in zip(lengths, jaxprs, strict=True):
+    consts = invals[start:start + length]
+    start += length
+    if closed is None:
+      new.append(None)
+      continue
+    body_in = [*consts, *_match(b, [v.aval.dtype for v in closed.jaxpr.invars[length:]])]
+    body_in = [*consts, *_match(body_in[length:], b_dtypes)]
+    new.append(rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, body_in), ctx,
+                       b_dtypes, path=_path(env, eqn))[0])
+  return env.bind(eqn, invals, dict(eqn.params, jaxprs=type(jaxprs)(*new)))
+
+
 # --- custom derivatives --------------------------------------------------------------------------
 
 

@@ -58,7 +58,7 @@ def register_higher_order(*names: str) -> Callable[[HigherOrderRule], HigherOrde
 KEEP_DTYPES = {
     "bitcast_convert_type", "reduce", "reduce_window", "select_and_scatter",
     "select_and_gather_add", "pure_callback", "io_callback", "ffi_call", "pallas_call",
-    "custom_linear_solve", "linear_solve", "run_state", "mosaic_gpu_call", "tpu_custom_call",
+    "linear_solve", "run_state", "mosaic_gpu_call", "tpu_custom_call",
 }
 
 # Primitives with a scalar combiner jaxpr typed like the operand, re-typed after a cast.
@@ -318,15 +318,15 @@ def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion, instance: str
     _note_main_input(env, instance, eqn.invars, entering)
   name = eqn.primitive.name
   if name == "convert_element_type" and category in _FLOAT32_OPS and op.cast_to is None \
-      and _is_eligible(env.dtype(eqn.invars[0])) and _is_eligible(eqn.params["new_dtype"]):
-    # The library's own casts (jnp.sum's upcast-then-restore) do not leave a float32 op.
+      and _is_eligible(eqn.params["new_dtype"]):
+    # The library's own casts (jnp.sum's upcast-then-restore, an identity matrix made in the
+    # input's dtype) stay in float32 inside a float32 op.
     return [env.cast(eqn.invars[0], jnp.dtype(jnp.float32))]
   if _keeps_dtypes(eqn):
     return _bind_traced_dtypes(eqn, env)
   if category is Category.LOWER and name in _LOWER_PRIMITIVES:
     invals = _cast_for(category, eqn, env, ctx.policy)  # a low-precision op's own products
-    params = _lower_params(eqn, env, category, ctx.policy, invals)
-    return _bind_native(eqn, env, ctx._replace(op=op), invals, params)
+    return _bind_native(eqn, env, ctx._replace(op=op), invals)
   invals = _cast_for(category, eqn, env, ctx.policy, select=entering, cast_to=op.cast_to)
   return _bind_native(eqn, env, ctx._replace(op=op), invals)
 
@@ -342,7 +342,8 @@ def _note_main_input(env: Env, instance: str, atoms, entering) -> None:
       main, aval = aval, main
     if aval is not None:
       shapes |= {aval.shape}
-  env.exits[instance] = (main, shapes - {main.shape})
+  if main is not None:
+    env.exits[instance] = (main, shapes - {main.shape})
 
 
 def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
@@ -361,8 +362,7 @@ def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
       env.rule = "lower: bias add of a low-precision dot/conv"
       return outs
   invals = _cast_for(category, eqn, env, ctx.policy)
-  params = _lower_params(eqn, env, category, ctx.policy, invals)
-  outs = _bind_native(eqn, env, ctx, invals, params)
+  outs = _bind_native(eqn, env, ctx, invals)
   if category is Category.LOWER and name in _LOWER_PRIMITIVES:
     env.lowered.update(eqn.outvars)
   if name in _BROADCASTS and not compat.is_literal(eqn.invars[0]):
@@ -376,7 +376,7 @@ def _keeps_dtypes(eqn) -> bool:
   name = eqn.primitive.name
   if name in KEEP_DTYPES:
     return True
-  if name in _COMBINER_PARAM:
+  if name in _COMBINER_PARAM or name in HIGHER_ORDER_RULES:
     return False
   return any(compat.is_typed_param(item)
              for value in eqn.params.values()
@@ -408,25 +408,29 @@ def _cast_for(category: Category, eqn, env: Env, policy: Policy,
   return [env.cast(a, target) if f else env.read(a) for a, f in zip(atoms, floats, strict=True)]
 
 
-def _lower_params(eqn, env: Env, category: Category, policy: Policy, invals) -> dict | None:
-  """dot/conv params for the low dtype, unless the caller fixed the result dtype explicitly."""
-  if category is not Category.LOWER or eqn.primitive.name not in _LOWER_PRIMITIVES:
+def _result_type_params(eqn, invals) -> dict | None:
+  """dot/conv params whose result dtype follows the new inputs, unless the caller fixed it.
+
+  ``preferred_element_type`` equal to the traced inputs' dtype is JAX's default and follows the
+  inputs; any other value was chosen explicitly and is kept.
+  """
+  if eqn.primitive.name not in _LOWER_PRIMITIVES:
     return None
   preferred = eqn.params.get("preferred_element_type")
   traced_inputs = _widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
-  if preferred is None or jnp.dtype(preferred) != traced_inputs:
-    return None  # an explicit accumulation/result dtype: keep it
   new_inputs = _widest([compat.typeof(v).dtype for v in invals])
+  if preferred is None or jnp.dtype(preferred) != traced_inputs or new_inputs == traced_inputs:
+    return None
   return dict(eqn.params, preferred_element_type=new_inputs)
 
 
-def _bind_native(eqn, env: Env, ctx: Context, invals: list, params: dict | None = None) -> list:
+def _bind_native(eqn, env: Env, ctx: Context, invals: list) -> list:
   """Binds with inputs that were equal-typed when traced made equal again (widest wins)."""
   name = eqn.primitive.name
   if name in HIGHER_ORDER_RULES:
     return HIGHER_ORDER_RULES[name](eqn, invals, env, ctx)
   invals = _equalize(eqn, invals, env)
-  params = dict(eqn.params) if params is None else params
+  params = _result_type_params(eqn, invals) or dict(eqn.params)
   combiner = _COMBINER_PARAM.get(name)
   if combiner and params.get(combiner) is not None:
     operand_dtype = compat.typeof(invals[0]).dtype
@@ -466,7 +470,7 @@ def _bias_add(eqn, env: Env) -> list | None:
       out_dtype, bias_dtype = env.dtype(out), env.dtype(bias)
       if out_dtype != bias_dtype and _is_eligible(bias_dtype):
         source = env.broadcast_source[bias]
-        if np.prod(source.aval.shape, dtype=int) < np.prod(out.aval.shape, dtype=int):
+        if source.aval.ndim < out.aval.ndim:  # a bias vector: flax's Dense/Conv, batch 1 too
           values = {out: env.read(out), bias: env.cast(bias, out_dtype)}
           outs = env.bind(eqn, [values[a], values[b]])
           env.lowered.update(eqn.outvars)

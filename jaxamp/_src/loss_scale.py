@@ -8,6 +8,12 @@ the *scaled* loss and does what ``scaler.step(optimizer); scaler.update()`` does
 3. on overflow skip the inner step (zero updates, inner state bit-identical), else run it;
 4. back off or grow the scale, rounding ``f64(scale) * factor`` to float32 as torch does.
 
+The functions after the transform are the rest of ``GradScaler``, functional: ``scale_loss``
+(``scale``), ``unscale`` (``unscale_``; ``update(..., found_inf=...)`` is ``step`` after it),
+``set_scale`` (``update(new_scale)``), ``get_scale``, the hyperparameter getters and setters,
+``is_enabled``, ``state_dict`` and ``load_state_dict``. Each finds the scaler state anywhere in an
+optimizer state tree (``state_tree``); the setters return a new tree.
+
 Products with non-power-of-two factors (0.3, 1.1) must round exactly as torch's C++ does:
 ``static_cast<float>(float * double)``, i.e. the exact product rounded to float64 and then to
 float32 (two roundings); the inverse is ``scale.double().reciprocal().float()``. Without
@@ -37,6 +43,7 @@ from jaxamp._src import state_tree
 
 __all__ = [
     "DynamicLossScaleState",
+    "EmptyStateDictError",
     "dynamic_loss_scale",
     "get_backoff_factor",
     "get_growth_factor",
@@ -686,7 +693,7 @@ def _as_new_scale(new_scale: Any) -> Any:
   else:
     got = f"{type(new_scale).__name__}: {new_scale!r}"
   raise TypeError(
-      f"`new_scale` must be a float or a 1-element float32 array (as torch's "
+      "`new_scale` must be a float or a 1-element float32 array (as torch's "
       f"`GradScaler.update(new_scale)`), got {got}."
   )
 

@@ -76,6 +76,11 @@ ROWS = (
         ops=("addcdiv", "addcmul", "cross", "tensordot", "dot", "bilinear")),
     Row(("scatter_add",), P, primitives=("scatter-add", "scatter_add")),
     Row(("index_put",), P, primitives=("scatter",)),
+    # --- not in torch's list (torch raises on low-precision linear algebra); JAX has no float16
+    # or bfloat16 kernels for these either, so they run in float32 rather than fail.
+    Row(("linalg (no low-precision kernels)",), F,
+        primitives=("lu", "cholesky", "triangular_solve", "qr", "geqrf", "geqp3",
+                    "householder_product", "ormqr", "svd", "eigh", "eig", "fft")),
     # --- JAX has no complex32: lax.complex only takes float32/float64 parts ------------------
     Row(("view_as_complex",), F, primitives=("complex",)),
     # --- mean is unlisted: torch's kernel accumulates in float32, returns the input dtype ----

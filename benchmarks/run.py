@@ -1,0 +1,177 @@
+"""jaxamp benchmarks: autocast vs hand-written Flax mixed precision, and the loss scaler.
+
+    python benchmarks/run.py                 # everything, < 5 minutes on a 2-core CPU
+    python benchmarks/run.py --quick         # smaller models, fewer repetitions, < 1 minute
+    python benchmarks/run.py --only lm       # one section: lm, conv, scaler, gpu
+    python benchmarks/run.py --markdown      # tables as markdown (docs/benchmarks.md)
+
+Sections (all measured side by side in one process, printed as ratios):
+  lm, conv   1. trace/lower/compile time  2. residual bytes  3. step time  4. convert counts
+  scaler     5. dynamic_loss_scale(adam) vs adam update time on >= 10M parameters
+  gpu        6. GPU only: autocast speed-up over float32 and the dtypes of the gemm/conv calls
+No timings are asserted anywhere: targets are printed as ok / MISSED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+import bench_models  # noqa: E402
+import bench_scaler  # noqa: E402
+import common  # noqa: E402
+import models  # noqa: E402
+
+SECTIONS = ("lm", "conv", "scaler", "gpu")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="small sizes and few repetitions (< 1 min)")
+  p.add_argument("--only", default=None,
+                 help=f"comma-separated sections to run, of {', '.join(SECTIONS)}")
+  p.add_argument("--markdown", action="store_true", help="print markdown tables")
+  p.add_argument("--policies", default="cpu,cuda", help="autocast device types: cpu,cuda")
+  lm = p.add_argument_group("transformer LM")
+  lm.add_argument("--layers", type=int, default=None)
+  lm.add_argument("--d-model", type=int, default=None)
+  lm.add_argument("--heads", type=int, default=None)
+  lm.add_argument("--seq", type=int, default=None)
+  lm.add_argument("--batch", type=int, default=None)
+  lm.add_argument("--vocab", type=int, default=None)
+  conv = p.add_argument_group("conv net")
+  conv.add_argument("--conv-batch", type=int, default=None)
+  conv.add_argument("--conv-norm", choices=("batch", "group"), default="batch")
+  reps = p.add_argument_group("repetitions")
+  reps.add_argument("--compile-reps", type=int, default=None)
+  reps.add_argument("--step-rounds", type=int, default=None)
+  reps.add_argument("--scaler-params", type=float, default=None,
+                    help="millions of parameters in the scaler benchmark (default 10.4, quick 2.6)")
+  return p.parse_args(argv)
+
+
+def settings(args) -> dict:
+  q = args.quick
+  lm = dict(layers=1 if q else 4, d_model=128 if q else 256, heads=4, seq=64 if q else 128,
+            batch=4 if q else 8, vocab=512 if q else 1024)
+  for k in lm:
+    v = getattr(args, k)
+    if v is not None:
+      lm[k] = v
+  conv = dict(batch=args.conv_batch or (16 if q else 32), norm=args.conv_norm,
+              features=(16, 32, 32, 64) if q else (32, 64, 64, 128))
+  scaler_m = args.scaler_params or (2.6 if q else 10.4)
+  # 4 big leaves hold ~80% of the parameters, 512 small ones (4096 + 8 each) the rest.
+  big_rows = max(1, int(round(scaler_m * 1e6 * 0.8 / 4 / 1024)))
+  small = 512 if not q else 128
+  small_size = max(8, int(scaler_m * 1e6 * 0.2 / small))
+  return {
+      "lm": lm, "conv": conv,
+      "scaler": dict(big=4, big_shape=(big_rows, 1024), small=small, small_size=small_size,
+                     rounds=5 if q else 9, per_round=2 if q else 3),
+      "compile_reps": args.compile_reps or (1 if q else 3),
+      "step_rounds": args.step_rounds or (3 if q else 7),
+      "step_per_round": 2 if q else 3,
+      "train_step": not q,
+  }
+
+
+def log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def gpu_section(results_by_model: dict, policies, markdown: bool) -> str:
+  title = "### 6. GPU" if markdown else "== 6. GPU =="
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return f"{title}\n\nskipped: jax.default_backend() is {backend!r}, not 'gpu'."
+  if not results_by_model:
+    return f"{title}\n\nskipped: run it together with the lm or conv section (--only lm,gpu)."
+  out = [title, "", f"device: {jax.devices()[0].device_kind}"]
+  rows = []
+  for model, results in results_by_model.items():
+    base = results["float32"]["step"]
+    for name, res in results.items():
+      kinds = ", ".join(f"{k[0]} {k[1]}->{k[2]} x{v}"
+                        for k, v in sorted(res["step_hlo_matmuls"].items()))
+      rows.append([model, name, common.ms(res["step"]), f"{base / res['step']:.2f}x", kinds])
+  out.append(common.table(["model", "variant", "step ms", "speed-up vs f32",
+                           "gemm/conv calls in the train step (operands->result x count)"],
+                          rows, markdown))
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  only = set(SECTIONS) if args.only is None else {s.strip() for s in args.only.split(",")}
+  unknown = only - set(SECTIONS)
+  if unknown:
+    raise SystemExit(f"unknown section(s) {sorted(unknown)}; choose from {SECTIONS}")
+  policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+  for p in policies:
+    if p not in bench_models.POLICIES:
+      raise SystemExit(f"unknown policy {p!r}; choose from {tuple(bench_models.POLICIES)}")
+  cfg = settings(args)
+  started = time.perf_counter()
+  print(("## " if args.markdown else "") + "jaxamp benchmarks"
+        + (" (--quick)" if args.quick else ""))
+  print(f"\njax {jax.__version__}, backend {jax.default_backend()}, "
+        f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, python "
+        f"{platform.python_version()}; command: python benchmarks/run.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]))
+  summary = []
+  by_model = {}
+  if "lm" in only:
+    lm = cfg["lm"]
+    log(f"lm: {lm}")
+    make = functools.partial(models.lm_task, **lm)
+    by_model["lm"] = bench_models.run(make, policies=policies, compile_reps=cfg["compile_reps"],
+                                      step_rounds=cfg["step_rounds"],
+                                      step_per_round=cfg["step_per_round"],
+                                      train_step=cfg["train_step"], log=log)
+    title = (f"transformer LM: {lm['layers']} layers, d={lm['d_model']}, {lm['heads']} heads, "
+             f"seq {lm['seq']}, batch {lm['batch']}, vocab {lm['vocab']}")
+    print("\n" + bench_models.report(title, by_model["lm"], policies, args.markdown,
+                                            train_step=cfg["train_step"]), flush=True)
+    summary += bench_models.summary_rows("lm", by_model["lm"], policies)
+  if "conv" in only:
+    conv = cfg["conv"]
+    log(f"conv: {conv}")
+    make = functools.partial(models.conv_task, **conv)
+    by_model["conv"] = bench_models.run(make, policies=policies,
+                                        compile_reps=cfg["compile_reps"],
+                                        step_rounds=cfg["step_rounds"],
+                                        step_per_round=cfg["step_per_round"],
+                                      train_step=cfg["train_step"], log=log)
+    title = (f"conv net: 4 conv {conv['features']} + {conv['norm']} norm + dense, 32x32x3, "
+             f"batch {conv['batch']}")
+    print("\n" + bench_models.report(title, by_model["conv"], policies, args.markdown,
+                                            train_step=cfg["train_step"]),
+          flush=True)
+    summary += bench_models.summary_rows("conv", by_model["conv"], policies)
+  if "scaler" in only:
+    log(f"scaler: {cfg['scaler']}")
+    res = bench_scaler.run(**cfg["scaler"], log=log)
+    print("\n" + bench_scaler.report(res, args.markdown), flush=True)
+    summary += bench_scaler.summary_rows(res)
+  if "gpu" in only:
+    print("\n" + gpu_section(by_model, policies, args.markdown), flush=True)
+  if summary:
+    head = "### targets" if args.markdown else "== targets (autocast / hand-written Flax) =="
+    print(f"\n{head}\n")
+    print(common.table(["model", "policy", "metric", "flax", "autocast", "ratio", "target",
+                        "status"], summary, args.markdown))
+  print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
