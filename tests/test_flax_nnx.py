@@ -24,12 +24,6 @@ VALUE_RTOL = 3e-2  # relative to the largest float32 value
 GRAD_RTOL = 5e-2  # relative to the largest float32 gradient
 X = jnp.asarray(np.random.default_rng(0).standard_normal((4, 6, 6, 3), np.float32))
 
-DIRECT_MODULE = (
-    "a module passed straight into an autocast function is flattened to arrays and rebuilt "
-    "inside the trace: its BatchNorm statistics and RNG counters are updated on that copy and "
-    "lost (DESIGN §4: nnx modules passed to an autocast function must keep their state updates)."
-)
-
 
 class Net(nnx.Module):
   """Every nnx layer autocast must handle; returns each layer's output by name."""
@@ -252,7 +246,6 @@ def test_param_gradients_are_float32_and_close_to_float32(device_type, low):
 # --- a module passed straight in -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=DIRECT_MODULE)
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_module_passed_directly_keeps_batch_norm_statistics(mode, device_type, low):
@@ -265,7 +258,6 @@ def test_module_passed_directly_keeps_batch_norm_statistics(mode, device_type, l
   assert not np.allclose(model.mean[...], 0.0)
 
 
-@pytest.mark.xfail(strict=True, reason=DIRECT_MODULE)
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_module_passed_directly_advances_its_rng_counter(mode, device_type, low):

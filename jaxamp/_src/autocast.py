@@ -17,7 +17,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._src import compat, higher_order, interpreter, library_ops, policy, regions
+from jaxamp._src import (
+    compat,
+    higher_order,
+    interpreter,
+    library_ops,
+    nnx_modules,
+    policy,
+    regions,
+)
 
 del library_ops  # imported for its registrations
 
@@ -61,6 +69,9 @@ def _wrap(fun: Callable, settings: policy.Policy | None) -> Callable:
     with regions.kept_region():
       if settings is None:
         return fun(*args, **kwargs)
+      if nnx_modules.contains_modules((args, kwargs)):
+        run = lambda pure_fun, a, k: call(pure_fun, settings, a, k)
+        return nnx_modules.call_keeping_state(run, fun, args, kwargs)
       return call(fun, settings, args, kwargs)
 
   autocast_fun.__wrapped__ = fun
