@@ -17,7 +17,7 @@ softmax / log_softmax / layer-norm composites (``jax.nn``, flax and hand-written
 
 The expected categories are written here from torch's op reference
 (``shared/reference/torch_amp_op_reference.md``), not read from jaxamp's tables.
-Known bugs have minimal reproductions at the end (strict xfails) and flags the model reads.
+Deviations the properties found have minimal reproductions at the end.
 Examples are deterministic (fixed seed, no database) and few: each numeric example compiles.
 """
 
@@ -68,11 +68,11 @@ FLOAT32_OPS = {
 # jaxamp keeps every broadcast add chained after a dot in the low dtype, not only the bias add
 # (see test_second_broadcast_add_after_a_dense_layer_promotes_like_torch). Set to False once
 # that is fixed; until then the model below expects jaxamp's dtype there.
-CHAINED_BIAS_ADD_BUG = True
+CHAINED_BIAS_ADD_BUG = False
 # A Python scalar that crosses a jit boundary (jnp.clip(x, 0), jnp.where(m, x, 0.0), the epsilon
 # of jax.nn.standardize) promotes a low-precision value to float32 (see
 # test_python_scalar_passed_through_a_jit_follows_the_other_operand). False once fixed.
-WEAK_SCALAR_THROUGH_JIT_BUG = True
+WEAK_SCALAR_THROUGH_JIT_BUG = False
 
 
 def torch_dtypes(layers, dtype, device: str, known_bugs: bool = True) -> list:
@@ -139,8 +139,7 @@ def torch_dtype(node: strategies.Node, dtype, device: str, known_bugs: bool = Tr
 
 
 FORWARD_PROGRAMS = strategies.programs()
-GRADIENT_PROGRAMS = strategies.programs(allow_while=False, smooth=True,
-                                        nested_custom_vjp=False)
+GRADIENT_PROGRAMS = strategies.programs(allow_while=False, smooth=True)
 # On cpu, softmax / log_softmax / layer_norm compute inside in float32 and return the input dtype
 # (torch's CPU kernels accumulate in float32); programs without them show the plain primitives.
 CPU_PLAIN_PROGRAMS = strategies.programs(exclude=strategies.LIBRARY_COMPOSITES)
@@ -472,17 +471,13 @@ def test_gradients_agree_with_the_float32_run_where_they_are_not_tiny(device, pr
 
 
 # ------------------------------------------------------------------------------------------------
-# Deviations the properties found (minimal reproductions; strict xfails until fixed).
+# Deviations the properties found, fixed: minimal reproductions.
 
 X = jnp.linspace(-1.0, 1.0, 32, dtype=jnp.float32).reshape(4, 8)
 W = jnp.linspace(-0.5, 0.5, 64, dtype=jnp.float32).reshape(8, 8)
 BIAS = jnp.linspace(0.0, 0.1, 8, dtype=jnp.float32)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: every broadcast add chained after a dot stays in the low dtype, not only the bias add "
-    "(torch: F.linear(x, W, b) + p is float32 for a float32 p). When fixed, set "
-    "CHAINED_BIAS_ADD_BUG = False."))
 @devices
 def test_second_broadcast_add_after_a_dense_layer_promotes_like_torch(device):
   fun = lambda x, w, b, p: (x @ w + b) + p  # a Dense layer, then e.g. a position embedding
@@ -496,23 +491,12 @@ SCALAR_THROUGH_JIT = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: a Python scalar that crosses a jit boundary inside jnp (jnp.where(m, h, 0.0), "
-    "jnp.clip(h, 0), jax.nn.standardize) is converted to a strong float32 inside the jit body, "
-    "and autocast promotes the low-precision operand to float32 (torch: torch.where / clamp "
-    "keep bfloat16). "
-    "When fixed, set WEAK_SCALAR_THROUGH_JIT_BUG = False."))
 @pytest.mark.parametrize("op", sorted(SCALAR_THROUGH_JIT))
 def test_python_scalar_passed_through_a_jit_follows_the_other_operand(op):
   fun = lambda x, w: SCALAR_THROUGH_JIT[op](x @ w)
   assert jaxamp.autocast(fun, device_type="cpu")(X, W).dtype == jnp.bfloat16
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "bug: grad of autocast(f) fails when a custom_vjp sits inside jit/scan/cond/checkpoint: "
-    "higher_order._custom_vjp_rule's fwd returns a tuple of outputs where the primal returns "
-    "a list (TypeError 'Custom VJP fwd rule ... must produce a pair'). When fixed, also drop "
-    "nested_custom_vjp=False from GRADIENT_PROGRAMS."))
 @seed(SEED)
 @settings(max_examples=3, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=list(HealthCheck))

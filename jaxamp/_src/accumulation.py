@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,6 +25,18 @@ def multi_steps(inner: optax.GradientTransformation, every_k_schedule) -> \
   Returns:
     A transformation whose state is an ``optax.MultiStepsState``.
   """
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+        f"`inner` must be an optax GradientTransformation, got {type(inner).__name__}: {inner!r}."
+    )
+  if isinstance(every_k_schedule, numbers.Integral) and not isinstance(every_k_schedule, bool):
+    if every_k_schedule < 1:
+      raise ValueError(f"`every_k_schedule` must be an int >= 1 or a schedule, got "
+                       f"{every_k_schedule!r}.")
+    every_k_schedule = int(every_k_schedule)
+  elif not callable(every_k_schedule):
+    raise TypeError(f"`every_k_schedule` must be an int >= 1 or a schedule (a callable of the "
+                    f"step), got {type(every_k_schedule).__name__}: {every_k_schedule!r}.")
   accumulate = optax.MultiSteps(inner, every_k_schedule)
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -89,10 +89,14 @@ def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> A
   static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_array(leaf))
   arrays = [leaves[i] for i in dynamic]
   in_avals = tuple(compat.typeof(x) for x in arrays)
-  closed, out_tree = _trace(fun, in_tree, tuple(dynamic), static, in_avals)
+  closed, (out_tree, static_outs) = _trace(fun, in_tree, tuple(dynamic), static, in_avals)
   ctx = interpreter.Context(settings)
-  outs = interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx)
-  return jax.tree.unflatten(out_tree, outs)
+  outs = iter(interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx))
+  return jax.tree.unflatten(out_tree, [next(outs) if leaf is _TRACED else leaf
+                                       for leaf in static_outs])
+
+
+_TRACED = object()  # marks the outputs that come from the jaxpr
 
 
 def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
@@ -116,8 +120,12 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
     args, kwargs = jax.tree.unflatten(in_tree, leaves)
     out = fun(*args, **kwargs)
     out_leaves, out_tree = jax.tree.flatten(out)
-    out_tree_box.append(out_tree)
-    return out_leaves
+    # Outputs that are not traced values (strings, Python numbers, numpy constants) are returned
+    # as they are, like the static arguments.
+    traced = [isinstance(leaf, jax.core.Tracer) for leaf in out_leaves]
+    out_tree_box.append((out_tree, [_TRACED if t else leaf
+                                    for leaf, t in zip(out_leaves, traced, strict=True)]))
+    return [leaf for leaf, t in zip(out_leaves, traced, strict=True) if t]
 
   closed = compat.trace(flat_fun, in_avals)
   result = (closed, out_tree_box[0])
@@ -128,15 +136,21 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
   return result
 
 
-def custom_fwd(fun: Callable | None = None, *, cast_inputs=None) -> Callable:
+def custom_fwd(fun: Callable | None = None, *, device_type: str | None = None,
+               cast_inputs=None) -> Callable:
   """torch.amp.custom_fwd for the forward function of a ``jax.custom_vjp``.
 
   With ``cast_inputs`` (a float dtype), inside an autocast function the floating inputs are cast
   to it and the function body runs with autocast disabled; outside autocast nothing changes.
   Without it, the body is autocast like any other code.
   """
+  if device_type is not None:
+    policy.get_table(device_type)  # torch's signature; validated, the cast applies everywhere
   if fun is None:
-    return functools.partial(custom_fwd, cast_inputs=cast_inputs)
+    return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+  if _is_dtype(fun):
+    raise TypeError(f"custom_fwd takes the dtype as a keyword: custom_fwd(cast_inputs={fun!r}); "
+                    "its positional argument is the function to decorate.")
   if not callable(fun):
     raise TypeError(f"custom_fwd decorates a callable; got {fun!r}.")
   if cast_inputs is None:
@@ -151,12 +165,23 @@ def custom_fwd(fun: Callable | None = None, *, cast_inputs=None) -> Callable:
   return wrapped
 
 
-def custom_bwd(fun: Callable) -> Callable:
+def _is_dtype(x: Any) -> bool:
+  """A dtype or scalar type (np.float32, jnp.bfloat16), not a function to decorate."""
+  if isinstance(x, np.dtype) or isinstance(x, type) and issubclass(x, np.generic):
+    return True
+  return isinstance(getattr(x, "dtype", None), np.dtype) and not hasattr(x, "shape")
+
+
+def custom_bwd(fun: Callable | None = None, *, device_type: str | None = None) -> Callable:
   """torch.amp.custom_bwd for the backward function of a ``jax.custom_vjp``.
 
   The backward runs under the autocast policy its forward ran under (by default a custom_vjp's
   backward runs in the dtypes of its residuals and cotangents, as torch runs backward passes).
   """
+  if device_type is not None:
+    policy.get_table(device_type)  # torch's signature; the forward's policy is used
+  if fun is None and device_type is not None:
+    return functools.partial(custom_bwd, device_type=device_type)
   if not callable(fun):
     raise TypeError(f"custom_bwd decorates a callable; got {fun!r}.")
 

@@ -36,8 +36,13 @@ def body_avals(invars, values) -> tuple:
   """The avals of a body's invars with the dtypes of the values now flowing into them."""
   avals = []
   for var, value in zip(invars, values, strict=True):
-    dtype = compat.typeof(value).dtype
-    avals.append(var.aval if dtype == var.aval.dtype else compat.aval_with_dtype(var.aval, dtype))
+    aval = compat.typeof(value)
+    if aval.dtype != var.aval.dtype:
+      avals.append(compat.aval_with_dtype(var.aval, aval.dtype))
+    elif getattr(aval, "weak_type", False) and not var.aval.weak_type:
+      avals.append(var.aval.update(weak_type=True))  # a Python scalar passed into a jit
+    else:
+      avals.append(var.aval)
   return tuple(avals)
 
 
@@ -302,7 +307,7 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
     res_and_outs = evaluate(jaxpr, consts, list(xs[num_consts:]), ctx,
                             path=_path(env, eqn, "fwd"))
     residuals, outs = assemble(res_and_outs, xs)
-    return tuple(_match(outs, out_dtypes)), tuple(residuals)
+    return _match(outs, out_dtypes), tuple(residuals)  # a list, like the primal's outputs
 
   def autocast_bwd(residuals, cts):
     residuals = _match(list(residuals), residual_dtypes())

@@ -92,8 +92,12 @@ def primitive_category(eqn, policy: Policy) -> Category:
   return policy.primitive_category(eqn.primitive.name)
 
 
-def _is_weak(atom) -> bool:
-  return compat.is_literal(atom) or getattr(atom.aval, "weak_type", False)
+def _is_weak(atom, value=None, env=None) -> bool:
+  """A Python scalar: a literal, weakly typed when traced or now (passed into a jit), or one
+  converted inside a jit (``jnp.clip(x, 0)``)."""
+  return compat.is_literal(atom) or getattr(atom.aval, "weak_type", False) \
+      or value is not None and getattr(compat.typeof(value), "weak_type", False) \
+      or env is not None and atom in env.weak
 
 
 def _is_eligible(dtype) -> bool:
@@ -127,6 +131,7 @@ class Env:
     self.lowered: set[Any] = set()  # outputs of low-precision dots/convs
     self.broadcast_source: dict[Any, Any] = {}  # var -> the var it was broadcast from
     self.hoistable = hoistable  # loop-invariant invars whose casts may move out of the loop
+    self.weak: set[Any] = set()  # vars holding a converted Python scalar: they follow others
     self.hoisted: list[tuple[Any, np.dtype]] = []  # casts asked of hoistable invars
 
   def read(self, atom) -> Any:
@@ -354,6 +359,13 @@ def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
   if _keeps_dtypes(eqn):
     env.rule = "traced dtypes (unknown or dtype-sensitive primitive)"
     return _bind_traced_dtypes(eqn, env)
+  if name == "convert_element_type" and _is_weak(eqn.invars[0], env.read(eqn.invars[0]), env):
+    # A Python scalar made concrete inside a jit (jnp.where(x, y, 0.0), jnp.clip(x, 0)): the
+    # dtype it was traced to is its partner's, which autocast may change; it stays weak.
+    env.rule = "native: a Python scalar follows the other operand"
+    env.weak.update(eqn.outvars)
+    if eqn.params["new_dtype"] == eqn.invars[0].aval.dtype:
+      return [env.read(eqn.invars[0])]
   category = primitive_category(eqn, ctx.policy)
   env.rule = category.value
   if category is Category.NATIVE and name == "add":
@@ -368,6 +380,8 @@ def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
   if name in _BROADCASTS and not compat.is_literal(eqn.invars[0]):
     env.broadcast_source[eqn.outvars[0]] = env.broadcast_source.get(eqn.invars[0],
                                                                     eqn.invars[0])
+    if eqn.invars[0] in env.weak:
+      env.weak.update(eqn.outvars)
   return outs
 
 
@@ -399,7 +413,8 @@ def _cast_for(category: Category, eqn, env: Env, policy: Policy,
   elif category in (Category.FLOAT32, Category.FLOAT32_INSIDE):
     target = jnp.dtype(jnp.float32)
   elif category is Category.PROMOTE:
-    strong = [env.dtype(a) for a, f in zip(atoms, floats, strict=True) if f and not _is_weak(a)]
+    strong = [env.dtype(a) for a, f in zip(atoms, floats, strict=True)
+              if f and not _is_weak(a, env.read(a), env)]
     if not strong:
       return [env.read(a) for a in atoms]
     target = _widest(strong)
@@ -452,7 +467,7 @@ def _equalize(eqn, invals: list, env: Env) -> list:
     if len(dtypes) < 2:
       continue
     strong = [compat.typeof(invals[i]).dtype for i in members
-              if not _is_weak(eqn.invars[i])]
+              if not _is_weak(eqn.invars[i], invals[i], env)]
     target = _widest(strong or sorted(dtypes, key=str))
     for i in members:
       if compat.typeof(invals[i]).dtype != target:
@@ -472,9 +487,7 @@ def _bias_add(eqn, env: Env) -> list | None:
         source = env.broadcast_source[bias]
         if source.aval.ndim < out.aval.ndim:  # a bias vector: flax's Dense/Conv, batch 1 too
           values = {out: env.read(out), bias: env.cast(bias, out_dtype)}
-          outs = env.bind(eqn, [values[a], values[b]])
-          env.lowered.update(eqn.outvars)
-          return outs
+          return env.bind(eqn, [values[a], values[b]])
   return None
 
 

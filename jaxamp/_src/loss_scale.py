@@ -552,6 +552,12 @@ def dynamic_loss_scale(
       found_inf: Any = None,
       **extra_args: Any,
   ) -> tuple[optax.Updates, DynamicLossScaleState]:
+    if not isinstance(state, DynamicLossScaleState):
+      raise TypeError(
+          "`state` must be the DynamicLossScaleState made by this transform's init(), got "
+          f"{type(state).__name__}; initialise with the dynamic_loss_scale wrapper, not the "
+          "inner optimizer."
+      )
     if not state.hyperparams.enabled:  # found_inf is ignored: unscale returned False
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
@@ -646,6 +652,8 @@ def scale_loss(loss: chex.ArrayTree, opt_state: Any) -> chex.ArrayTree:
   rounded to that dtype, as torch's CPU kernel does for a 0-d scale. The scale is not
   differentiated. When the scaler is disabled ``loss`` is returned unmodified, as in torch.
   """
+  if loss is None:
+    raise TypeError("`loss` must be an array or a pytree of arrays, got None.")
   state = _find(opt_state)
   if not state.enabled:
     return loss
@@ -848,6 +856,9 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
       state_dict["growth_factor"], state_dict["backoff_factor"], state_dict["growth_interval"]
   )
   scale = state_dict["scale"]
+  if isinstance(scale, jax.Array | np.ndarray) and np.shape(scale) == () \
+      and jnp.issubdtype(scale.dtype, jnp.floating) and not isinstance(scale, jax.core.Tracer):
+    scale = float(scale)  # the scale is state: get_scale's 0-d array is welcome
   _check_real("scale", scale)
   with np.errstate(over="ignore"):
     if not 0.0 <= float(np.float32(scale)) < math.inf:
@@ -860,8 +871,12 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
     raise TypeError(
         f"`_growth_tracker` must be an int, got {type(tracker).__name__}: {tracker!r}."
     )
-  if not 0 <= int(tracker) <= np.iinfo(np.int32).max:
-    raise ValueError(f"`_growth_tracker` must be an int in [0, 2**31 - 1], got {tracker!r}.")
+  interval = int(state_dict["growth_interval"])
+  if not 0 <= int(tracker) < interval:
+    raise ValueError(
+        f"`_growth_tracker` must be an int in [0, growth_interval) = [0, {interval}): a tracker "
+        f"that reached the interval would never let the scale grow again; got {tracker!r}."
+    )
 
   def load(old: DynamicLossScaleState) -> DynamicLossScaleState:
     return old._replace(

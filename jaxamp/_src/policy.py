@@ -196,6 +196,10 @@ def make_policy(device_type: str | None, dtype, cache_enabled: bool = True) -> P
 def is_autocast_available(device_type: str) -> bool:
   """True if jaxamp has an autocast policy for ``device_type`` (like torch's)."""
   _load_tables()
+  if not isinstance(device_type, str):
+    raise TypeError(
+        f"`device_type` must be a string, one of {device_types()}; got {device_type!r}."
+    )
   return device_type in _TABLES
 
 
