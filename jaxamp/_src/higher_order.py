@@ -252,13 +252,18 @@ def _match(values, dtypes) -> list:
   return out
 
 
-@register_higher_order("custom_jvp_call")
-def _custom_jvp_rule(eqn, invals, env, ctx):
+def _autocast_primal(eqn, invals, env, ctx) -> tuple[compat.ClosedJaxpr, list]:
+  """A custom-derivative call's primal body, autocast, and the dtypes of its outputs now."""
   call = eqn.params["call_jaxpr"]
-  num_consts = eqn.params["num_consts"]
   body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx,
                     path=_path(env, eqn))
-  out_dtypes = [aval.dtype for aval in body.out_avals]
+  return body, [aval.dtype for aval in body.out_avals]
+
+
+@register_higher_order("custom_jvp_call")
+def _custom_jvp_rule(eqn, invals, env, ctx):
+  num_consts = eqn.params["num_consts"]
+  body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
   rule_jaxpr = compat.custom_jvp_rule_jaxpr(eqn)
 
   @jax.custom_jvp
@@ -288,11 +293,8 @@ def backward_policy():
 
 @register_higher_order("custom_vjp_call")
 def _custom_vjp_rule(eqn, invals, env, ctx):
-  call = eqn.params["call_jaxpr"]
   num_consts = eqn.params["num_consts"]
-  body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx,
-                    path=_path(env, eqn))
-  out_dtypes = [aval.dtype for aval in body.out_avals]
+  body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
   traced_out = [v.aval.dtype for v in eqn.outvars]
   traced_out_avals = [v.aval for v in eqn.outvars]
   in_dtypes = [compat.typeof(v).dtype for v in invals]

@@ -45,6 +45,11 @@ class Row(NamedTuple):
   ops: tuple[str, ...] = ()
 
 
+def op_rows(category: Category, *names: str) -> tuple[Row, ...]:
+  """One row per op region named like the torch op it realises (most composite rows)."""
+  return tuple(Row((name,), category, ops=(name,)) for name in names)
+
+
 ELIGIBLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 LOW_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
@@ -156,32 +161,25 @@ def default_device_type() -> str:
   return "cuda" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
 
 
-def canonical_dtype(dtype) -> np.dtype:
-  """Validates a user's autocast ``dtype``: float16 or bfloat16."""
+def _canonical(dtype, allowed: tuple[np.dtype, ...], argument: str) -> np.dtype:
   try:
     canonical = jnp.dtype(dtype)
   except TypeError:
     canonical = None
-  if canonical not in LOW_DTYPES:
-    raise ValueError(
-        "`dtype` must be one of jnp.float16 or jnp.bfloat16 (autocast's lower-precision "
-        f"dtypes); got {dtype!r}."
-    )
+  if canonical not in allowed:
+    names = " or ".join(f"jnp.{d.name}" for d in allowed)
+    raise ValueError(f"`{argument}` must be one of {names}; got {dtype!r}.")
   return canonical
+
+
+def canonical_dtype(dtype) -> np.dtype:
+  """Validates a user's autocast ``dtype``: float16 or bfloat16 (the lower-precision dtypes)."""
+  return _canonical(dtype, LOW_DTYPES, "dtype")
 
 
 def canonical_cast_dtype(dtype) -> np.dtype:
   """Validates an explicit cast target: float32, float16 or bfloat16."""
-  try:
-    canonical = jnp.dtype(dtype)
-  except TypeError:
-    canonical = None
-  if canonical not in ELIGIBLE_DTYPES:
-    raise ValueError(
-        "`cast_inputs` must be one of jnp.float32, jnp.float16 or jnp.bfloat16; "
-        f"got {dtype!r}."
-    )
-  return canonical
+  return _canonical(dtype, ELIGIBLE_DTYPES, "cast_inputs")
 
 
 def make_policy(device_type: str | None, dtype, cache_enabled: bool = True) -> Policy:

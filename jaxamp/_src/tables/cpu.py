@@ -7,7 +7,8 @@ op of the reference with its row, or why it has no JAX counterpart.
 
 import jax.numpy as jnp
 
-from jaxamp._src.policy import Category, Row, Table, register_table
+from jaxamp._src.policy import Category, Row, Table, op_rows, register_table
+from jaxamp._src.tables import shared
 
 L, F, P, N, F_IN = (Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.NATIVE,
                     Category.FLOAT32_INSIDE)
@@ -28,16 +29,13 @@ ROWS = (
     Row(("triangular_solve", "lu_solve"), F, primitives=("triangular_solve",)),
     Row(("_lu_with_info",), F, primitives=("lu",)),
     Row(("inverse", "linalg_inv", "linalg_inv_ex"), F, ops=("inverse",)),
-    Row(("linalg_solve",), F, ops=("linalg_solve",)),
-    Row(("linalg_tensorinv",), F, ops=("linalg_tensorinv",)),
-    Row(("linalg_tensorsolve",), F, ops=("linalg_tensorsolve",)),
+    *op_rows(F, "linalg_solve", "linalg_tensorinv", "linalg_tensorsolve"),
     Row(("qr", "linalg_qr", "geqrf"), F, primitives=("qr", "geqrf", "geqp3")),
     Row(("orgqr", "linalg_householder_product"), F, primitives=("householder_product",)),
     Row(("ormqr",), F, primitives=("ormqr",)),
     Row(("svd", "linalg_svd", "linalg_svdvals", "linalg_matrix_rank", "linalg_cond"), F,
         primitives=("svd",)),
-    Row(("pinverse",), F, ops=("pinverse",)),
-    Row(("linalg_lstsq",), F, ops=("linalg_lstsq",)),
+    *op_rows(F, "pinverse", "linalg_lstsq"),
     Row(("linalg_eigh", "linalg_eigvalsh"), F, primitives=("eigh",)),
     Row(("linalg_eig", "linalg_eigvals"), F, primitives=("eig",)),
     Row(("fft_fft", "fft_ifft", "fft_fft2", "fft_ifft2", "fft_fftn", "fft_ifftn", "fft_rfft",
@@ -47,27 +45,19 @@ ROWS = (
     Row(("max_pool3d", "adaptive_max_pool3d"), F, primitives=("reduce_window_max[3d]",)),
     # --- float32: composites ---------------------------------------------------------------------
     Row(("trace",), F, ops=("trace",)),
-    Row(("view_as_complex",), F, primitives=("complex",)),
+    *shared.COMPLEX_IN_FLOAT32,
     Row(("quantile", "nanquantile"), F, ops=("quantile",)),
     Row(("cdist",), F, ops=("cdist",)),
     Row(("reflection_pad1d", "reflection_pad2d"), F, ops=("reflection_pad",)),
     Row(("replication_pad1d", "replication_pad2d", "replication_pad3d"), F,
         ops=("replication_pad",)),
-    Row(("mse_loss",), F, ops=("mse_loss",)),
-    Row(("l1_loss",), F, ops=("l1_loss",)),
+    *op_rows(F, "mse_loss", "l1_loss"),
     Row(("huber_loss",), F, ops=("huber_loss", "smooth_l1_loss")),
     Row(("cross_entropy_loss",), F, ops=("cross_entropy",)),
     Row(("nll_loss", "nll_loss2d"), F, ops=("nll_loss",)),
-    Row(("kl_div",), F, ops=("kl_div",)),
-    Row(("binary_cross_entropy",), F, ops=("binary_cross_entropy",)),
-    Row(("binary_cross_entropy_with_logits",), F, ops=("binary_cross_entropy_with_logits",)),
-    Row(("poisson_nll_loss",), F, ops=("poisson_nll_loss",)),
-    Row(("cosine_embedding_loss",), F, ops=("cosine_embedding_loss",)),
-    Row(("hinge_embedding_loss",), F, ops=("hinge_embedding_loss",)),
-    Row(("margin_ranking_loss",), F, ops=("margin_ranking_loss",)),
-    Row(("soft_margin_loss",), F, ops=("soft_margin_loss",)),
-    Row(("triplet_margin_loss",), F, ops=("triplet_margin_loss",)),
-    Row(("multi_margin_loss",), F, ops=("multi_margin_loss",)),
+    *op_rows(F, "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+             "poisson_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss",
+             "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss"),
     Row(("multilabel_margin_loss", "multilabel_margin_loss_forward"), F,
         ops=("multilabel_margin_loss",)),
     Row(("ctc_loss",), F, ops=("ctc_loss",)),

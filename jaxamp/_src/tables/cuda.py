@@ -6,7 +6,8 @@ with its row, or why it has no JAX counterpart.
 
 import jax.numpy as jnp
 
-from jaxamp._src.policy import Category, Row, Table, register_table
+from jaxamp._src.policy import Category, Row, Table, op_rows, register_table
+from jaxamp._src.tables import shared
 
 L, F, P, N, X = (Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.NATIVE,
                  Category.FORBIDDEN)
@@ -42,51 +43,23 @@ ROWS = (
     # logcumsumexp is not in the reference list, but is the cumulative form of exp+sum.
     Row(("logcumsumexp",), F, primitives=("cumlogsumexp",)),
     # --- float32: composites ---------------------------------------------------------------------
-    Row(("softmax",), F, ops=("softmax",)),
-    Row(("softmin",), F, ops=("softmin",)),
-    Row(("log_softmax",), F, ops=("log_softmax",)),
-    Row(("softplus",), F, ops=("softplus",)),
-    Row(("layer_norm",), F, ops=("layer_norm",)),
-    Row(("group_norm",), F, ops=("group_norm",)),
-    Row(("norm",), F, ops=("norm",)),
-    Row(("normalize",), F, ops=("normalize",)),
-    Row(("renorm",), F, ops=("renorm",)),
-    Row(("dist",), F, ops=("dist",)),
-    Row(("cdist",), F, ops=("cdist",)),
-    Row(("pdist",), F, ops=("pdist",)),
-    Row(("cosine_similarity",), F, ops=("cosine_similarity",)),
-    Row(("binary_cross_entropy_with_logits",), F, ops=("binary_cross_entropy_with_logits",)),
-    Row(("cross_entropy",), F, ops=("cross_entropy",)),
-    Row(("nll_loss",), F, ops=("nll_loss",)),
-    Row(("kl_div",), F, ops=("kl_div",)),
-    Row(("mse_loss",), F, ops=("mse_loss",)),
-    Row(("l1_loss",), F, ops=("l1_loss",)),
+    *op_rows(F, "softmax", "softmin", "log_softmax", "softplus", "layer_norm", "group_norm", "norm",
+             "normalize", "renorm", "dist", "cdist", "pdist", "cosine_similarity",
+             "binary_cross_entropy_with_logits", "cross_entropy", "nll_loss", "kl_div", "mse_loss",
+             "l1_loss"),
     Row(("smooth_l1_loss",), F, ops=("smooth_l1_loss", "huber_loss")),
-    Row(("poisson_nll_loss",), F, ops=("poisson_nll_loss",)),
-    Row(("cosine_embedding_loss",), F, ops=("cosine_embedding_loss",)),
-    Row(("hinge_embedding_loss",), F, ops=("hinge_embedding_loss",)),
-    Row(("margin_ranking_loss",), F, ops=("margin_ranking_loss",)),
-    Row(("multilabel_margin_loss",), F, ops=("multilabel_margin_loss",)),
-    Row(("multi_margin_loss",), F, ops=("multi_margin_loss",)),
-    Row(("soft_margin_loss",), F, ops=("soft_margin_loss",)),
-    Row(("triplet_margin_loss",), F, ops=("triplet_margin_loss",)),
+    *op_rows(F, "poisson_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss",
+             "margin_ranking_loss", "multilabel_margin_loss", "multi_margin_loss",
+             "soft_margin_loss", "triplet_margin_loss"),
     # --- promote to the widest input type -------------------------------------------------------
     Row(("atan2",), P, primitives=("atan2",)),
     Row(("addcdiv", "addcmul", "cross", "tensordot", "dot", "bilinear"), P,
         ops=("addcdiv", "addcmul", "cross", "tensordot", "dot", "bilinear")),
     Row(("scatter_add",), P, primitives=("scatter-add", "scatter_add")),
     Row(("index_put",), P, primitives=("scatter",)),
-    # --- not in torch's list (torch raises on low-precision linear algebra); JAX has no float16
-    # or bfloat16 kernels for these either, so they run in float32 rather than fail.
-    Row(("linalg (no low-precision kernels)",), F,
-        primitives=("lu", "cholesky", "triangular_solve", "qr", "geqrf", "geqp3",
-                    "householder_product", "ormqr", "svd", "eigh", "eig", "fft")),
-    # --- JAX has no complex32: lax.complex only takes float32/float64 parts ------------------
-    Row(("view_as_complex",), F, primitives=("complex",)),
-    # --- mean is unlisted: torch's kernel accumulates in float32, returns the input dtype ----
-    Row(("mean",), Category.FLOAT32_INSIDE, ops=("mean",)),
-    # --- batch_norm is unlisted: its kernel computes in float32 and returns the input dtype ---
-    Row(("batch_norm",), Category.FLOAT32_INSIDE, ops=("batch_norm",)),
+    *shared.LINALG_IN_FLOAT32,
+    *shared.COMPLEX_IN_FLOAT32,
+    *shared.ACCUMULATING_KERNELS,
     # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
     # (without these rows, gelu's x**3 or elu's expm1 would follow the float32 pow/expm1 rows)
     Row(("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu"), N,

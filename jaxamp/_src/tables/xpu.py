@@ -7,7 +7,8 @@ names the torch ops it realises; ``docs/coverage.md`` lists every op of the refe
 
 import jax.numpy as jnp
 
-from jaxamp._src.policy import Category, Row, Table, register_table
+from jaxamp._src.policy import Category, Row, Table, op_rows, register_table
+from jaxamp._src.tables import shared
 
 L, F, P, N = Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.NATIVE
 
@@ -27,39 +28,17 @@ ROWS = (
     Row(("sum",), F, primitives=("reduce_sum",), ops=("sum",)),
     Row(("cumsum",), F, primitives=("cumsum",), ops=("cumsum",)),
     # --- float32: composites ---------------------------------------------------------------------
-    Row(("softmax",), F, ops=("softmax",)),
-    Row(("softmin",), F, ops=("softmin",)),
-    Row(("log_softmax",), F, ops=("log_softmax",)),
-    Row(("layer_norm",), F, ops=("layer_norm",)),
-    Row(("group_norm",), F, ops=("group_norm",)),
-    Row(("normalize",), F, ops=("normalize",)),
-    Row(("dist",), F, ops=("dist",)),
-    Row(("cosine_similarity",), F, ops=("cosine_similarity",)),
-    Row(("binary_cross_entropy_with_logits",), F, ops=("binary_cross_entropy_with_logits",)),
-    Row(("nll_loss",), F, ops=("nll_loss",)),
-    Row(("kl_div",), F, ops=("kl_div",)),
-    Row(("l1_loss",), F, ops=("l1_loss",)),
-    Row(("poisson_nll_loss",), F, ops=("poisson_nll_loss",)),
-    Row(("cosine_embedding_loss",), F, ops=("cosine_embedding_loss",)),
-    Row(("hinge_embedding_loss",), F, ops=("hinge_embedding_loss",)),
-    Row(("margin_ranking_loss",), F, ops=("margin_ranking_loss",)),
-    Row(("soft_margin_loss",), F, ops=("soft_margin_loss",)),
-    Row(("triplet_margin_loss",), F, ops=("triplet_margin_loss",)),
+    *op_rows(F, "softmax", "softmin", "log_softmax", "layer_norm", "group_norm", "normalize",
+             "dist", "cosine_similarity", "binary_cross_entropy_with_logits", "nll_loss", "kl_div",
+             "l1_loss", "poisson_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss",
+             "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss"),
     # --- promote to the widest input type -------------------------------------------------------
     Row(("bilinear", "cross", "tensordot"), P, ops=("bilinear", "cross", "tensordot")),
     Row(("scatter_add",), P, primitives=("scatter-add", "scatter_add")),
     Row(("index_put",), P, primitives=("scatter",)),
-    # --- not in torch's list (torch raises on low-precision linear algebra); JAX has no float16
-    # or bfloat16 kernels for these either, so they run in float32 rather than fail.
-    Row(("linalg (no low-precision kernels)",), F,
-        primitives=("lu", "cholesky", "triangular_solve", "qr", "geqrf", "geqp3",
-                    "householder_product", "ormqr", "svd", "eigh", "eig", "fft")),
-    # --- JAX has no complex32: lax.complex only takes float32/float64 parts ------------------
-    Row(("view_as_complex",), F, primitives=("complex",)),
-    # --- mean is unlisted: torch's kernel accumulates in float32, returns the input dtype ----
-    Row(("mean",), Category.FLOAT32_INSIDE, ops=("mean",)),
-    # --- batch_norm is unlisted: its kernel computes in float32 and returns the input dtype ---
-    Row(("batch_norm",), Category.FLOAT32_INSIDE, ops=("batch_norm",)),
+    *shared.LINALG_IN_FLOAT32,
+    *shared.COMPLEX_IN_FLOAT32,
+    *shared.ACCUMULATING_KERNELS,
     # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
     Row(("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu", "softplus", "norm",
          "pdist", "renorm"), N,
