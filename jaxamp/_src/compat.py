@@ -73,6 +73,11 @@ def traceback_frames(eqn) -> tuple[tuple[str, str, int], ...]:
   return tuple((f.file_name, f.function_name, f.line_num) for f in traceback.frames)
 
 
+def traceback_of(eqn):
+  """A context in which traced operations get ``eqn``'s source location (name stack unchanged)."""
+  return _source_info.user_context(eqn.source_info.traceback)
+
+
 def bind(eqn, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
   """Binds ``eqn``'s primitive on ``invals`` with its source info kept; always a list of outputs."""
   params = eqn.params if params is None else params

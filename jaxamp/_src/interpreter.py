@@ -76,8 +76,10 @@ _BROADCASTS = ("broadcast_in_dim", "reshape", "expand_dims", "squeeze")
 def _variant(eqn) -> str | None:
   """A finer key for primitives whose torch op depends on how they are used."""
   name = eqn.primitive.name
-  if name == "div" and _is_weak(eqn.invars[0]) and not eqn.invars[0].aval.shape:
-    return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
+  if name == "div":
+    numerator = eqn.invars[0]
+    if not numerator.aval.shape and (compat.is_literal(numerator) or numerator.aval.weak_type):
+      return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
   if name in ("reduce_window_sum", "reduce_window_max") and eqn.invars[0].aval.ndim == 5:
     return "3d"  # (N, D, H, W, C) pooling: torch's avg_pool3d / max_pool3d
   return None
@@ -93,11 +95,20 @@ def primitive_category(eqn, policy: Policy) -> Category:
 
 
 def _is_weak(atom, value=None, env=None) -> bool:
-  """A Python scalar: a literal, weakly typed when traced or now (passed into a jit), or one
-  converted inside a jit (``jnp.clip(x, 0)``)."""
-  return compat.is_literal(atom) or getattr(atom.aval, "weak_type", False) \
-      or value is not None and getattr(compat.typeof(value), "weak_type", False) \
-      or env is not None and atom in env.weak
+  """A scalar that follows the other operand's dtype instead of promoting it.
+
+  Python scalars (literals, weakly typed values, also once passed into a jit or converted
+  there, as in ``jnp.clip(x, 0)``) and, as torch's 0-dim tensors, rank-0 values and broadcasts
+  of them (``jnp.where(m, x, jnp.finfo(jnp.float32).min)``, relu's zeros).
+  """
+  if compat.is_literal(atom) or getattr(atom.aval, "weak_type", False) or not atom.aval.shape:
+    return True
+  if value is not None and getattr(compat.typeof(value), "weak_type", False):
+    return True
+  if env is None:
+    return False
+  source = env.broadcast_source.get(atom)
+  return atom in env.weak or source is not None and not source.aval.shape
 
 
 def _is_eligible(dtype) -> bool:
@@ -196,10 +207,11 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
     env.region[var] = inherited
   last_use = _last_uses(jaxpr)
   for index, eqn in enumerate(jaxpr.eqns):
-    if env.recorder is not None:
-      outs, region = _eval_recorded(eqn, env, ctx)
-    else:
-      outs, region = _eval_eqn(eqn, env, ctx)
+    with compat.traceback_of(eqn):  # the casts an eqn needs point at its source line
+      if env.recorder is not None:
+        outs, region = _eval_recorded(eqn, env, ctx)
+      else:
+        outs, region = _eval_eqn(eqn, env, ctx)
     for var, value in zip(eqn.outvars, outs, strict=True):
       env.values[var] = value
       env.region[var] = region

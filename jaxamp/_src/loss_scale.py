@@ -441,10 +441,15 @@ def _unscale_and_check(
   ``found_inf`` is about the *scaled* gradients, as in torch, reduced over ``axis_name``.
   ``update`` and ``unscale`` share this, so both give the same bits.
   """
+  return _tree_unscale(grads, scale), _found_inf(grads, axis_name)
+
+
+def _found_inf(grads: Any, axis_name: Any) -> jax.Array:
+  """Whether any gradient is Inf or NaN, on any device of ``axis_name``: one fused reduction."""
   found_inf = _tree_found_inf(grads)
   if axis_name is not None:
     found_inf = lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
-  return _tree_unscale(grads, scale), found_inf
+  return found_inf
 
 
 def _check_found_inf(found_inf: Any) -> jax.Array:
@@ -563,11 +568,15 @@ def dynamic_loss_scale(
       return updates, state._replace(inner_state=inner_state)
 
     if found_inf is None:
-      grads, found_inf = _unscale_and_check(updates, state.scale, state.hyperparams.axis_name)
+      found_inf = _found_inf(updates, state.hyperparams.axis_name)
+      unscale_first = True
     else:  # already unscaled by `unscale` (torch's unscale_ before step): used as given
-      grads, found_inf = updates, _check_found_inf(found_inf)
+      found_inf, unscale_first = _check_found_inf(found_inf), False
 
     def do_update(_: None) -> tuple[optax.Updates, optax.OptState]:
+      # Unscaling inside the taken branch lets XLA fuse it into the inner update instead of
+      # writing a float32 copy of every gradient as the cond's operand.
+      grads = _tree_unscale(updates, state.scale) if unscale_first else updates
       return inner.update(grads, state.inner_state, params, **extra_args)
 
     def skip_update(_: None) -> tuple[optax.Updates, optax.OptState]:
