@@ -38,27 +38,33 @@ def block(tree) -> None:
 
 
 def interleaved_median(funs: dict[str, Callable[[], Any]], rounds: int, per_round: int,
-                       warmup: int = 2) -> dict[str, float]:
+                       warmup: int = 1, cpu_time: bool = False):
   """Median seconds per call of each zero-argument ``fun``, measured round-robin.
 
-  Each round runs every function ``per_round`` times back to back and records the mean; rounds
-  alternate between the functions, so load from other processes on a shared machine hits all of
-  them alike. Returns the median over rounds.
+  Each round runs every function ``per_round`` times back to back (``block_until_ready`` on the
+  last result) and records the mean; the order of the functions alternates between rounds, so
+  load from other processes on a shared machine hits all of them alike. Returns the medians over
+  rounds of wall time and, with ``cpu_time``, also of this process's CPU time (all threads).
   """
   for fun in funs.values():
     for _ in range(warmup):
       block(fun())
-  samples: dict[str, list[float]] = {name: [] for name in funs}
+  wall: dict[str, list[float]] = {name: [] for name in funs}
+  cpu: dict[str, list[float]] = {name: [] for name in funs}
   for r in range(rounds):
     order = list(funs) if r % 2 == 0 else list(reversed(funs))
     for name in order:
       fun = funs[name]
-      start = time.perf_counter()
+      c0, t0 = time.process_time(), time.perf_counter()
       for _ in range(per_round):
         out = fun()
-      block(out)
-      samples[name].append((time.perf_counter() - start) / per_round)
-  return {name: statistics.median(s) for name, s in samples.items()}
+        block(out)
+      wall[name].append((time.perf_counter() - t0) / per_round)
+      cpu[name].append((time.process_time() - c0) / per_round)
+  wall_med = {name: statistics.median(s) for name, s in wall.items()}
+  if cpu_time:
+    return wall_med, {name: statistics.median(s) for name, s in cpu.items()}
+  return wall_med
 
 
 # --- residuals -----------------------------------------------------------------------------------
@@ -80,7 +86,8 @@ def residual_stats(fun: Callable, primals: Sequence[Any], *, has_aux: bool = Fal
   jaxpr = closed.jaxpr
   invars = set(jaxpr.invars)
   seen = set()
-  stats = {"bytes": 0, "count": 0, "arg_bytes": 0, "arg_count": 0, "by_dtype": collections.Counter()}
+  stats = {"bytes": 0, "count": 0, "arg_bytes": 0, "arg_count": 0,
+           "by_dtype": collections.Counter()}
   for var in jaxpr.outvars:
     if not hasattr(var, "aval") or type(var).__name__ == "Literal" or var in seen:
       continue

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-
 # --- transformer LM ------------------------------------------------------------------------------
 
 

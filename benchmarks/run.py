@@ -23,11 +23,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-
 import bench_models  # noqa: E402
 import bench_scaler  # noqa: E402
 import common  # noqa: E402
+import jax  # noqa: E402
 import models  # noqa: E402
 
 SECTIONS = ("lm", "conv", "scaler", "gpu")
@@ -55,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   reps.add_argument("--step-rounds", type=int, default=None)
   reps.add_argument("--scaler-params", type=float, default=None,
                     help="millions of parameters in the scaler benchmark (default 10.4, quick 2.6)")
+  reps.add_argument("--scaler-leaves", type=int, default=None,
+                    help="small parameter pairs (weight + bias) in the scaler tree (default 256)")
   return p.parse_args(argv)
 
 
@@ -69,17 +70,18 @@ def settings(args) -> dict:
   conv = dict(batch=args.conv_batch or (16 if q else 32), norm=args.conv_norm,
               features=(16, 32, 32, 64) if q else (32, 64, 64, 128))
   scaler_m = args.scaler_params or (2.6 if q else 10.4)
-  # 4 big leaves hold ~80% of the parameters, 512 small ones (4096 + 8 each) the rest.
+  # 4 big leaves hold ~80% of the parameters, `small` small ones (a weight and an 8-element bias
+  # each) the rest.
   big_rows = max(1, int(round(scaler_m * 1e6 * 0.8 / 4 / 1024)))
-  small = 512 if not q else 128
+  small = args.scaler_leaves or (64 if q else 256)
   small_size = max(8, int(scaler_m * 1e6 * 0.2 / small))
   return {
       "lm": lm, "conv": conv,
       "scaler": dict(big=4, big_shape=(big_rows, 1024), small=small, small_size=small_size,
-                     rounds=5 if q else 9, per_round=2 if q else 3),
+                     rounds=5 if q else 7, per_round=2 if q else 3),
       "compile_reps": args.compile_reps or (1 if q else 3),
-      "step_rounds": args.step_rounds or (3 if q else 7),
-      "step_per_round": 2 if q else 3,
+      "step_rounds": args.step_rounds or (3 if q else 5),
+      "step_per_round": 2,
       "train_step": not q,
   }
 
