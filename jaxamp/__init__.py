@@ -28,6 +28,7 @@ from jaxamp._src.loss_scale import (
 )
 from jaxamp._src.policy import Category, get_autocast_dtype, is_autocast_available
 from jaxamp._src.regions import autocast_disabled, register_op
+from jaxamp._src.train import make_nnx_train_step, make_train_step
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,8 @@ __all__ = (
     "get_growth_interval",
     "get_scale",
     "load_state_dict",
+    "make_nnx_train_step",
+    "make_train_step",
     "multi_steps",
     "scale_loss",
     "set_backoff_factor",

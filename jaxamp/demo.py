@@ -42,7 +42,6 @@ import optax
 from flax.training.train_state import TrainState
 
 import jaxamp
-from jaxamp._src.train import make_train_step
 
 # name, autocast device type (None: float32, no autocast), loss scaling
 VARIANTS = (
@@ -127,7 +126,7 @@ def train(name: str, device_type: str | None, scaled: bool, data, steps: int,
   params = MODEL.init(jax.random.key(0), x_train[:1])["params"]
   state = TrainState.create(apply_fn=MODEL.apply, params=params, tx=tx)
   kwargs = autocast_kwargs(device_type)
-  step = jax.jit(make_train_step(loss_fn, **kwargs))
+  step = jax.jit(jaxamp.make_train_step(loss_fn, **kwargs))
   saved = residual_bytes(jaxamp.autocast(loss_fn, **kwargs), params,
                          (x_train[:batch_size], y_train[:batch_size]))
   rng = np.random.default_rng(1)

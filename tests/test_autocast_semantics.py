@@ -365,3 +365,21 @@ def test_rewritten_programs_typecheck():
   for device_type, _ in POLICIES:
     jaxpr = jax.make_jaxpr(jaxamp.autocast(fun, device_type=device_type))(X, W)
     jax.extend.core.check_jaxpr(jaxpr.jaxpr)
+
+
+def test_fills_like_zeros_like_follow_the_other_operand():
+  fun = lambda x, w: jnp.where(x @ w > 0, x @ w, jnp.zeros_like(x @ w))
+  assert jaxamp.autocast(fun, device_type="cuda")(X, W).dtype == jnp.float16
+
+
+def test_rank_zero_values_do_not_promote_tensors_like_torchs_zero_dim_tensors():
+  fun = lambda x, w: jnp.where(x @ w > 0, x @ w, jnp.finfo(jnp.float32).min)
+  assert jaxamp.autocast(fun, device_type="cpu")(X, W).dtype == jnp.bfloat16
+
+
+def test_relu_backward_keeps_no_float32_copy_of_the_activation():
+  fun = jaxamp.autocast(lambda x, w: jnp.sum(jax.nn.relu(x @ w)).astype(jnp.float32),
+                        device_type="cuda")
+  jaxpr = jax.make_jaxpr(jax.grad(fun, argnums=1))(X, W)
+  selects = jaxpr_utils.dtypes_of(jaxpr, "select_n")
+  assert selects and all(jnp.float32 not in ins for ins, _ in selects), selects

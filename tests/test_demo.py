@@ -1,10 +1,55 @@
 """The main job, `python -m jaxamp.demo`, runs end to end."""
 
+import contextlib
+import io
+
+import pytest
+
 from jaxamp import demo
 
 
-def test_demo_trains_three_variants_end_to_end(tmp_path):
-  results = demo.main(["--steps", "15", "--out", str(tmp_path)])
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+  """A 15-step demo run: (results, printed output, output folder)."""
+  out = tmp_path_factory.mktemp("demo")
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    results = demo.main(["--steps", "15", "--out", str(out)])
+  return results, printed.getvalue(), out
+
+
+def test_demo_trains_three_variants_end_to_end(short_run):
+  results, _, out = short_run
   assert [r["name"] for r in results] == [name for name, _, _ in demo.VARIANTS]
   assert all(r["loss"] == r["loss"] for r in results)  # finite, not NaN
-  assert (tmp_path / "demo.png").exists()
+  assert (out / "demo.png").exists()
+
+
+def test_demo_prints_a_table_with_every_column(short_run):
+  _, printed, _ = short_run
+  header = next(line for line in printed.splitlines() if line.startswith("variant"))
+  assert header.split()[1:] == ["loss", "acc", "ms/step", "saved", "for", "bwd", "skipped",
+                                "scale"]
+
+
+def test_demo_low_precision_variants_save_less_for_the_backward_pass(short_run):
+  float32, bfloat16, float16 = (r["saved_bytes"] for r in short_run[0])
+  assert bfloat16 < float32 and float16 < float32
+
+
+def test_demo_reports_the_loss_scale_only_for_the_scaled_variant(short_run):
+  assert [r["scale"] == 1.0 for r in short_run[0]] == [True, True, False]
+
+
+def test_residual_bytes_leave_out_the_arguments():
+  import jax.numpy as jnp
+
+  w, x = jnp.ones((4, 3)), jnp.ones((4, 3))
+  # saved: cos(w) for sin (48 bytes), and x for the product, which is an argument: not counted
+  assert demo.residual_bytes(lambda w, x: jnp.sum(jnp.sin(w) * x), w, x) == 48
+
+
+def test_demo_help_names_its_options(capsys):
+  with pytest.raises(SystemExit):
+    demo.main(["--help"])
+  assert "--steps" in capsys.readouterr().out

@@ -71,28 +71,36 @@ def scaler(**kwargs):
   return jaxamp.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
 
 
+@functools.cache
+def _linen_step(device_type: str, enabled: bool):
+  return jax.jit(make_train_step(linen_loss, device_type=device_type, enabled=enabled))
+
+
+def linen_step(state, poison=1.0, device_type="cuda", enabled=True):
+  """One jitted ``make_train_step(linen_loss)`` step (compiled once per policy and optimizer)."""
+  return _linen_step(device_type, enabled)(state, BATCH, jnp.float32(poison))
+
+
 def test_linen_step_returns_loss_scale_found_inf_and_skipped_steps():
-  _, metrics = jax.jit(make_train_step(linen_loss, device_type="cuda"))(
-      linen_state(scaler(init_scale=8.0)), BATCH)
+  _, metrics = linen_step(linen_state(scaler(init_scale=8.0)))
   assert set(metrics) == {"loss", "scale", "found_inf", "skipped_steps"}
   assert (metrics["loss"].dtype, float(metrics["scale"]), bool(metrics["found_inf"]),
           int(metrics["skipped_steps"])) == (F32, 8.0, False, 0)
 
 
 def test_linen_step_loss_is_the_unscaled_loss():
-  _, metrics = jax.jit(make_train_step(linen_loss, enabled=False))(
-      linen_state(scaler(init_scale=1024.0)), BATCH)
+  _, metrics = linen_step(linen_state(scaler(init_scale=1024.0)), enabled=False)
   np.testing.assert_allclose(metrics["loss"], linen_loss(mlp_params(), BATCH), rtol=1e-6)
 
 
 def test_linen_step_updates_params_and_step_count():
   state = linen_state(scaler())
-  new_state, _ = jax.jit(make_train_step(linen_loss, device_type="cuda"))(state, BATCH)
+  new_state, _ = linen_step(state)
   assert int(new_state.step) == 1 and not leaves_equal(new_state.params, state.params)
 
 
 def test_linen_step_keeps_float32_params():
-  state, _ = jax.jit(make_train_step(linen_loss, device_type="cuda"))(linen_state(scaler()), BATCH)
+  state, _ = linen_step(linen_state(scaler()))
   assert {p.dtype for p in jax.tree.leaves(state.params)} == {F32}
 
 
@@ -119,37 +127,33 @@ def test_linen_step_with_autocast_disabled_runs_in_float32():
 
 def test_linen_step_with_autocast_disabled_matches_a_hand_written_step():
   state = linen_state(optax.sgd(0.1))
-  new_state, _ = jax.jit(make_train_step(linen_loss, enabled=False))(state, BATCH)
+  new_state, _ = linen_step(state, enabled=False)
   expected = state.apply_gradients(grads=jax.grad(linen_loss)(state.params, BATCH))
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6), new_state.params,
                expected.params)
 
 
 def test_linen_step_without_a_scaler_trains_unscaled_and_reports_scale_one():
-  state, metrics = jax.jit(make_train_step(linen_loss, device_type="cpu"))(
-      linen_state(optax.sgd(0.1)), BATCH)
+  state, metrics = linen_step(linen_state(optax.sgd(0.1)), device_type="cpu")
   assert (float(metrics["scale"]), bool(metrics["found_inf"]), int(state.step)) == (1.0, False, 1)
 
 
 def test_linen_scaled_step_updates_like_the_unscaled_step():
-  step = jax.jit(make_train_step(linen_loss, device_type="cuda"))
-  scaled, _ = step(linen_state(scaler(init_scale=2.0**12)), BATCH)
-  unscaled, _ = step(linen_state(optax.sgd(0.1)), BATCH)
+  scaled, _ = linen_step(linen_state(scaler(init_scale=2.0**12)))
+  unscaled, _ = linen_step(linen_state(optax.sgd(0.1)))
   for a, b in zip(jax.tree.leaves(scaled.params), jax.tree.leaves(unscaled.params), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
 
 
 def test_linen_step_multiplies_the_loss_by_the_scale():
   """A scale past float16's range makes the float16 gradients overflow: proof it was applied."""
-  state, metrics = jax.jit(make_train_step(linen_loss, device_type="cuda"))(
-      linen_state(scaler(init_scale=2.0**40)), BATCH)
+  state, metrics = linen_step(linen_state(scaler(init_scale=2.0**40)))
   assert bool(metrics["found_inf"]) and float(metrics["scale"]) == 2.0**39
 
 
 def test_linen_step_skips_a_non_finite_loss_and_backs_off():
   state = linen_state(scaler(init_scale=8.0))
-  new_state, metrics = jax.jit(make_train_step(linen_loss, device_type="cuda"))(
-      state, BATCH, jnp.inf)
+  new_state, metrics = linen_step(state, jnp.inf)
   assert (bool(metrics["found_inf"]), int(metrics["skipped_steps"]), float(metrics["scale"])) == (
       True, 1, 4.0)
   assert leaves_equal(new_state.params, state.params)
@@ -157,17 +161,15 @@ def test_linen_step_skips_a_non_finite_loss_and_backs_off():
 
 def test_linen_step_grows_the_scale_after_growth_interval_finite_steps():
   state = linen_state(scaler(init_scale=8.0, growth_interval=2))
-  step = jax.jit(make_train_step(linen_loss, device_type="cuda"))
   scales = []
   for _ in range(4):
-    state, metrics = step(state, BATCH)
+    state, metrics = linen_step(state)
     scales.append(float(metrics["scale"]))
   assert scales == [8.0, 16.0, 16.0, 32.0]
 
 
 def test_linen_step_passes_extra_arguments_to_the_loss_function():
-  step = jax.jit(make_train_step(linen_loss, enabled=False))
-  _, metrics = step(linen_state(optax.sgd(0.1)), BATCH, poison=2.0)
+  _, metrics = linen_step(linen_state(optax.sgd(0.1)), poison=2.0, enabled=False)
   np.testing.assert_allclose(metrics["loss"], 2.0 * linen_loss(mlp_params(), BATCH), rtol=1e-6)
 
 
@@ -213,9 +215,8 @@ def test_linen_step_runs_without_jit():
 def test_linen_step_with_multi_steps_updates_once_per_window():
   tx = jaxamp.multi_steps(scaler(init_scale=8.0, growth_interval=1), every_k_schedule=2)
   state = linen_state(tx)
-  step = jax.jit(make_train_step(linen_loss, device_type="cuda"))
-  first, metrics_1 = step(state, BATCH)
-  second, metrics_2 = step(first, BATCH)
+  first, metrics_1 = linen_step(state)
+  second, metrics_2 = linen_step(first)
   assert leaves_equal(first.params, state.params) and not leaves_equal(second.params, state.params)
   assert (float(metrics_1["scale"]), float(metrics_2["scale"])) == (8.0, 16.0)
 
@@ -223,9 +224,8 @@ def test_linen_step_with_multi_steps_updates_once_per_window():
 def test_linen_step_with_multi_steps_skips_a_window_with_one_non_finite_micro_batch():
   tx = jaxamp.multi_steps(scaler(init_scale=8.0), every_k_schedule=2)
   state = linen_state(tx)
-  step = jax.jit(make_train_step(linen_loss, device_type="cuda"))
-  first, _ = step(state, BATCH, jnp.inf)
-  second, metrics = step(first, BATCH)
+  first, _ = linen_step(state, jnp.inf)
+  second, metrics = linen_step(first)
   assert leaves_equal(second.params, state.params)
   assert (bool(metrics["found_inf"]), float(metrics["scale"])) == (True, 4.0)
 
@@ -271,13 +271,23 @@ def nnx_setup(tx) -> tuple[Net, nnx.Optimizer]:
   return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
+@functools.cache
+def _nnx_step(device_type: str, enabled: bool):
+  return nnx.jit(make_nnx_train_step(nnx_loss, device_type=device_type, enabled=enabled))
+
+
+def nnx_step(model, optimizer, poison=1.0, device_type="cuda", enabled=True):
+  """One jitted ``make_nnx_train_step(nnx_loss)`` step (compiled once per policy and optimizer)."""
+  return _nnx_step(device_type, enabled)(model, optimizer, BATCH, jnp.float32(poison))
+
+
 def params_of(model) -> dict:
   return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 def test_nnx_step_returns_loss_scale_found_inf_and_skipped_steps():
   model, optimizer = nnx_setup(scaler(init_scale=8.0))
-  metrics = nnx.jit(make_nnx_train_step(nnx_loss, device_type="cuda"))(model, optimizer, BATCH)
+  metrics = nnx_step(model, optimizer)
   assert set(metrics) == {"loss", "scale", "found_inf", "skipped_steps"}
   assert (metrics["loss"].dtype, float(metrics["scale"]), bool(metrics["found_inf"]),
           int(metrics["skipped_steps"])) == (F32, 8.0, False, 0)
@@ -286,35 +296,35 @@ def test_nnx_step_returns_loss_scale_found_inf_and_skipped_steps():
 def test_nnx_step_updates_the_params_in_place():
   model, optimizer = nnx_setup(scaler())
   before = params_of(model)
-  nnx.jit(make_nnx_train_step(nnx_loss, device_type="cuda"))(model, optimizer, BATCH)
+  nnx_step(model, optimizer)
   assert not leaves_equal(params_of(model), before) and int(optimizer.step[...]) == 1
 
 
 def test_nnx_step_keeps_float32_params():
   model, optimizer = nnx_setup(scaler())
-  nnx.jit(make_nnx_train_step(nnx_loss, device_type="cuda"))(model, optimizer, BATCH)
+  nnx_step(model, optimizer)
   assert {p.dtype for p in jax.tree.leaves(params_of(model))} == {F32}
 
 
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_nnx_step_updates_batch_norm_running_statistics(device_type):
   model, optimizer = nnx_setup(scaler())
-  nnx.jit(make_nnx_train_step(nnx_loss, device_type=device_type))(model, optimizer, BATCH)
+  nnx_step(model, optimizer, device_type=device_type)
   assert not np.allclose(model.norm.mean[...], 0.0) and not np.allclose(model.norm.var[...], 1.0)
 
 
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_nnx_step_keeps_batch_norm_running_statistics_float32(device_type):
   model, optimizer = nnx_setup(scaler())
-  nnx.jit(make_nnx_train_step(nnx_loss, device_type=device_type))(model, optimizer, BATCH)
+  nnx_step(model, optimizer, device_type=device_type)
   assert (model.norm.mean[...].dtype, model.norm.var[...].dtype) == (F32, F32)
 
 
 def test_nnx_step_batch_norm_statistics_are_close_to_the_float32_step():
   model, optimizer = nnx_setup(scaler())
-  nnx.jit(make_nnx_train_step(nnx_loss, device_type="cuda"))(model, optimizer, BATCH)
+  nnx_step(model, optimizer)
   reference, reference_optimizer = nnx_setup(optax.sgd(0.1))
-  nnx.jit(make_nnx_train_step(nnx_loss, enabled=False))(reference, reference_optimizer, BATCH)
+  nnx_step(reference, reference_optimizer, enabled=False)
   np.testing.assert_allclose(model.norm.mean[...], reference.norm.mean[...], rtol=1e-2, atol=1e-3)
 
 
@@ -330,14 +340,14 @@ def test_nnx_step_runs_every_dot_in_the_autocast_dtype(device_type, low):
 def test_nnx_step_without_a_scaler_trains_unscaled_and_reports_scale_one():
   model, optimizer = nnx_setup(optax.sgd(0.1))
   before = params_of(model)
-  metrics = nnx.jit(make_nnx_train_step(nnx_loss, device_type="cpu"))(model, optimizer, BATCH)
+  metrics = nnx_step(model, optimizer, device_type="cpu")
   assert (float(metrics["scale"]), bool(metrics["found_inf"])) == (1.0, False)
   assert not leaves_equal(params_of(model), before)
 
 
 def test_nnx_step_with_autocast_disabled_matches_a_hand_written_step():
   model, optimizer = nnx_setup(optax.sgd(0.1))
-  nnx.jit(make_nnx_train_step(nnx_loss, enabled=False))(model, optimizer, BATCH)
+  nnx_step(model, optimizer, enabled=False)
   reference, reference_optimizer = nnx_setup(optax.sgd(0.1))
 
   @nnx.jit
@@ -351,8 +361,7 @@ def test_nnx_step_with_autocast_disabled_matches_a_hand_written_step():
 def test_nnx_step_skips_a_non_finite_loss_and_backs_off():
   model, optimizer = nnx_setup(scaler(init_scale=8.0))
   before = params_of(model)
-  metrics = nnx.jit(make_nnx_train_step(nnx_loss, device_type="cuda"))(
-      model, optimizer, BATCH, jnp.inf)
+  metrics = nnx_step(model, optimizer, jnp.inf)
   assert (bool(metrics["found_inf"]), int(metrics["skipped_steps"]), float(metrics["scale"])) == (
       True, 1, 4.0)
   assert leaves_equal(params_of(model), before)
@@ -361,7 +370,7 @@ def test_nnx_step_skips_a_non_finite_loss_and_backs_off():
 
 def test_nnx_step_multiplies_the_loss_by_the_scale():
   model, optimizer = nnx_setup(scaler(init_scale=2.0**40))
-  metrics = nnx.jit(make_nnx_train_step(nnx_loss, device_type="cuda"))(model, optimizer, BATCH)
+  metrics = nnx_step(model, optimizer)
   assert bool(metrics["found_inf"]) and float(metrics["scale"]) == 2.0**39
 
 
@@ -386,9 +395,8 @@ def test_nnx_step_with_multi_steps_updates_once_per_window():
   tx = jaxamp.multi_steps(scaler(init_scale=8.0, growth_interval=1), every_k_schedule=2)
   model, optimizer = nnx_setup(tx)
   before = params_of(model)
-  step = nnx.jit(make_nnx_train_step(nnx_loss, device_type="cuda"))
-  metrics_1 = step(model, optimizer, BATCH)
+  metrics_1 = nnx_step(model, optimizer)
   after_1 = params_of(model)
-  metrics_2 = step(model, optimizer, BATCH)
+  metrics_2 = nnx_step(model, optimizer)
   assert leaves_equal(after_1, before) and not leaves_equal(params_of(model), before)
   assert (float(metrics_1["scale"]), float(metrics_2["scale"])) == (8.0, 16.0)

@@ -32,18 +32,29 @@ _CACHE_SIZE = 1024
 _rewrites: collections.OrderedDict = collections.OrderedDict()
 
 
-def body_avals(invars, values) -> tuple:
-  """The avals of a body's invars with the dtypes of the values now flowing into them."""
+def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
+  """The avals of a body's invars with the dtypes of the values now flowing into them.
+
+  Values that follow their partner's dtype outside (Python scalars, fills like ``zeros_like``:
+  ``weak``) stay weak inside, so ``jnp.where(m, x, jnp.zeros_like(x))``'s jit does not promote.
+  """
   avals = []
-  for var, value in zip(invars, values, strict=True):
+  weak = tuple(weak) or (False,) * len(invars)
+  for var, value, follows in zip(invars, values, weak, strict=True):
     aval = compat.typeof(value)
     if aval.dtype != var.aval.dtype:
       avals.append(compat.aval_with_dtype(var.aval, aval.dtype))
-    elif getattr(aval, "weak_type", False) and not var.aval.weak_type:
-      avals.append(var.aval.update(weak_type=True))  # a Python scalar passed into a jit
+    elif (follows or getattr(aval, "weak_type", False)) and not var.aval.weak_type \
+        and jnp.issubdtype(aval.dtype, jnp.inexact):
+      avals.append(var.aval.update(weak_type=True))
     else:
       avals.append(var.aval)
   return tuple(avals)
+
+
+def _weak_inputs(eqn, env: Env) -> list[bool]:
+  """Which inputs are fills or converted Python scalars (``Env.weak``) outside the body."""
+  return [not compat.is_literal(a) and a in env.weak for a in eqn.invars]
 
 
 def _cast_value(value, dtype):
@@ -125,8 +136,8 @@ def _restore(env: Env, atoms, values: list) -> list:
 @register_higher_order("jit", "pjit")
 def _jit_rule(eqn, invals, env, ctx):
   closed = eqn.params["jaxpr"]
-  new, _ = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals), ctx,
-                   path=_path(env, eqn))
+  avals = body_avals(closed.jaxpr.invars, invals, _weak_inputs(eqn, env))
+  new, _ = rewrite(closed.jaxpr, closed.consts, avals, ctx, path=_path(env, eqn))
   return env.bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 

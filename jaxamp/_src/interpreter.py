@@ -94,7 +94,7 @@ def primitive_category(eqn, policy: Policy) -> Category:
   return policy.primitive_category(eqn.primitive.name)
 
 
-def _is_weak(atom, value=None, env=None) -> bool:
+def is_weak(atom, value=None, env=None) -> bool:
   """A scalar that follows the other operand's dtype instead of promoting it.
 
   Python scalars (literals, weakly typed values, also once passed into a jit or converted
@@ -143,6 +143,7 @@ class Env:
     self.broadcast_source: dict[Any, Any] = {}  # var -> the var it was broadcast from
     self.hoistable = hoistable  # loop-invariant invars whose casts may move out of the loop
     self.weak: set[Any] = set()  # vars holding a converted Python scalar: they follow others
+    self.fills: dict[Any, Any] = {}  # var -> the broadcast_in_dim of a literal that made it
     self.hoisted: list[tuple[Any, np.dtype]] = []  # casts asked of hoistable invars
 
   def read(self, atom) -> Any:
@@ -165,7 +166,11 @@ class Env:
       return self.casts[key]
     if atom in self.hoistable and key not in self.hoisted:
       self.hoisted.append(key)
-    converted = self.convert(value, dtype)
+    if atom in self.fills:  # fill in the target dtype: no convert, no float32 copy kept
+      fill = self.fills[atom]
+      converted = compat.bind(fill, [np.asarray(fill.invars[0].val, dtype)])[0]
+    else:
+      converted = self.convert(value, dtype)
     if self.ctx.policy.cache_enabled:
       self.casts[key] = converted
     return converted
@@ -371,7 +376,7 @@ def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
   if _keeps_dtypes(eqn):
     env.rule = "traced dtypes (unknown or dtype-sensitive primitive)"
     return _bind_traced_dtypes(eqn, env)
-  if name == "convert_element_type" and _is_weak(eqn.invars[0], env.read(eqn.invars[0]), env):
+  if name == "convert_element_type" and is_weak(eqn.invars[0], env.read(eqn.invars[0]), env):
     # A Python scalar made concrete inside a jit (jnp.where(x, y, 0.0), jnp.clip(x, 0)): the
     # dtype it was traced to is its partner's, which autocast may change; it stays weak.
     env.rule = "native: a Python scalar follows the other operand"
@@ -389,6 +394,9 @@ def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
   outs = _bind_native(eqn, env, ctx, invals)
   if category is Category.LOWER and name in _LOWER_PRIMITIVES:
     env.lowered.update(eqn.outvars)
+  if name == "broadcast_in_dim" and compat.is_literal(eqn.invars[0]):
+    env.fills[eqn.outvars[0]] = eqn  # zeros_like & co: a fill follows the other operand
+    env.weak.update(eqn.outvars)
   if name in _BROADCASTS and not compat.is_literal(eqn.invars[0]):
     env.broadcast_source[eqn.outvars[0]] = env.broadcast_source.get(eqn.invars[0],
                                                                     eqn.invars[0])
@@ -426,7 +434,7 @@ def _cast_for(category: Category, eqn, env: Env, policy: Policy,
     target = jnp.dtype(jnp.float32)
   elif category is Category.PROMOTE:
     strong = [env.dtype(a) for a, f in zip(atoms, floats, strict=True)
-              if f and not _is_weak(a, env.read(a), env)]
+              if f and not is_weak(a, env.read(a), env)]
     if not strong:
       return [env.read(a) for a in atoms]
     target = _widest(strong)
@@ -479,7 +487,7 @@ def _equalize(eqn, invals: list, env: Env) -> list:
     if len(dtypes) < 2:
       continue
     strong = [compat.typeof(invals[i]).dtype for i in members
-              if not _is_weak(eqn.invars[i], invals[i], env)]
+              if not is_weak(eqn.invars[i], invals[i], env)]
     target = _widest(strong or sorted(dtypes, key=str))
     for i in members:
       if compat.typeof(invals[i]).dtype != target:
