@@ -110,6 +110,12 @@ def is_typed_param(value) -> bool:
       or callable(value)
 
 
+def shard_map_axis_names(params: dict[str, Any]) -> set:
+  """The mesh axes a ``shard_map`` eqn makes manual (``newly_manual_axes`` from jax 0.10.1)."""
+  names = params.get("newly_manual_axes", params.get("manual_axes"))
+  return set(names)
+
+
 def aval_with_dtype(aval, dtype):
   """``aval`` with another dtype (and no weak type)."""
   return aval.update(dtype=dtype, weak_type=False)

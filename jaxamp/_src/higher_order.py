@@ -222,7 +222,7 @@ def _shard_map_rule(eqn, invals, env, ctx):
   mapped = jax.shard_map(lambda *args: tuple(evaluate(body, (), args, ctx, path=path)),
                          mesh=p["mesh"],
                          in_specs=p["in_specs"], out_specs=p["out_specs"],
-                         axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"])
+                         axis_names=compat.shard_map_axis_names(p), check_vma=p["check_vma"])
   return list(mapped(*invals))
 
 

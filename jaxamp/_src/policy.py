@@ -167,7 +167,8 @@ def _canonical(dtype, allowed: tuple[np.dtype, ...], argument: str) -> np.dtype:
   except TypeError:
     canonical = None
   if canonical not in allowed:
-    names = " or ".join(f"jnp.{d.name}" for d in allowed)
+    names = [f"jnp.{d.name}" for d in allowed]
+    names = ", ".join(names[:-1]) + " or " + names[-1]
     raise ValueError(f"`{argument}` must be one of {names}; got {dtype!r}.")
   return canonical
 
