@@ -179,7 +179,8 @@ def _ctc(log_probs, targets):
   """
   logits = jnp.swapaxes(log_probs, 0, 1)
   loss = optax.ctc_loss(logits, jnp.zeros(logits.shape[:2]), targets, jnp.zeros(targets.shape))
-  log_norm = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # torch's precision
+  with jaxamp.autocast_disabled():  # the adapter's correction, not part of torch's op: float32
+    log_norm = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
   return loss - jnp.sum(log_norm, axis=-1)
 
 
