@@ -18,6 +18,7 @@ import pytest
 import jaxamp
 
 POLICIES = [pytest.param("cuda", jnp.float16, id="cuda"),
+            pytest.param("xpu", jnp.float16, id="xpu"),
             pytest.param("cpu", jnp.bfloat16, id="cpu")]
 F32 = jnp.dtype(jnp.float32)
 VALUE_RTOL = 3e-2  # relative to the largest float32 value

@@ -17,6 +17,7 @@ from flax import nnx
 import jaxamp
 
 POLICIES = [pytest.param("cuda", jnp.float16, id="cuda"),
+            pytest.param("xpu", jnp.float16, id="xpu"),
             pytest.param("cpu", jnp.bfloat16, id="cpu")]
 MODES = ["eager", "nnx_jit"]
 F32 = jnp.dtype(jnp.float32)

@@ -44,8 +44,18 @@ def _shard_map(fun):
   return jax.shard_map(fun, mesh=mesh, in_specs=(P(), P()), out_specs=P())
 
 
+def _closed_call(fun):
+  """A closed_call eqn (no public API makes one; jax.extend exposes the primitive)."""
+  def call(*args):
+    closed = jax.make_jaxpr(fun)(*args)
+    prim = jax.extend.core.primitives.closed_call_p
+    return prim.bind(*args, **prim.get_bind_params({"call_jaxpr": closed}))[0]
+  return call
+
+
 HIGHER_ORDER = {
     "jit": lambda x, w: jax.jit(block)(x, w),
+    "closed_call": lambda x, w: _closed_call(block)(x, w),
     "scan": lambda x, w: lax.scan(lambda c, _: (c, block(c, w)), x, None, length=2)[1].sum(0),
     "while": lambda x, w: lax.while_loop(lambda s: s[0] < 2,
                                          lambda s: (s[0] + 1, block(s[1], w) * 0 + s[1]),
