@@ -14,9 +14,7 @@ precision. With torch installed the comparison is also made live.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
-import pathlib
 import types
 from collections.abc import Callable
 
@@ -27,12 +25,13 @@ import jax.scipy.linalg as jsl
 import numpy as np
 import optax
 import pytest
+import torch_goldens
 from jax import lax
 
 import jaxamp
 from jaxamp import functional
 
-GOLDEN = pathlib.Path(__file__).parent / "goldens" / "torch_cpu_autocast.json"
+GOLDEN = torch_goldens.GOLDEN
 CASES = {c["name"]: c for c in json.loads(GOLDEN.read_text())["cases"]}
 MODES = ("bfloat16", "float16")
 
@@ -488,15 +487,6 @@ def _params() -> list:
 PARAMS = _params()
 
 
-@functools.cache
-def _torch_module():
-  """The golden script (its torch helpers), imported when torch is available."""
-  pytest.importorskip("torch")
-  path = GOLDEN.parents[2] / "scripts" / "record_torch_autocast_goldens.py"
-  spec = importlib.util.spec_from_file_location("record_torch_autocast_goldens", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 # --- tests -------------------------------------------------------------------------------------
@@ -529,7 +519,7 @@ def test_values_match_torch_golden(label, mode):
 
 @pytest.mark.parametrize("label, mode", PARAMS)
 def test_matches_torch_live(label, mode):
-  module = _torch_module()
+  module = torch_goldens.recorder()
   case, _ = counterpart(label)
   torch_out = module.run_case(case["expr"], module.torch_inputs(case["inputs"], mode), mode)
   expected = module.encode(torch_out)

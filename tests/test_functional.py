@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import functools
 import json
-import pathlib
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch_goldens
 
 from jaxamp import functional
 from jaxamp._src import regions
 
-GOLDEN = pathlib.Path(__file__).parent / "goldens" / "torch_cpu_autocast.json"
+GOLDEN = torch_goldens.GOLDEN
 CASES = {c["name"]: c for c in json.loads(GOLDEN.read_text())["cases"] if c["functional"]}
 NAMES = sorted(CASES)
 
@@ -82,17 +82,6 @@ def assert_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-5) -> No
   np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol * scale)
 
 
-@functools.cache
-def _torch_module():
-  """The golden script (for its torch helpers), imported when torch is available."""
-  pytest.importorskip("torch")
-  import importlib.util
-
-  path = GOLDEN.parents[2] / "scripts" / "record_torch_autocast_goldens.py"
-  spec = importlib.util.spec_from_file_location("record_torch_autocast_goldens", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _first_float_input(case: dict) -> str:
@@ -114,7 +103,7 @@ def test_matches_golden_float32(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_torch_float32(name):
-  module = _torch_module()
+  module = torch_goldens.recorder()
   case = CASES[name]
   torch_out = module.run_case(case["expr"], module.torch_inputs(case["inputs"], "none"), "none")
   out, _ = jax_output_and_grad(name)
@@ -124,7 +113,7 @@ def test_matches_torch_float32(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_gradient_matches_torch(name):
-  module = _torch_module()
+  module = torch_goldens.recorder()
   case = CASES[name]
   wrt = _first_float_input(case)
   inputs = module.torch_inputs(case["inputs"], "none")
