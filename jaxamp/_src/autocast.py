@@ -74,7 +74,6 @@ def _wrap(fun: Callable, settings: policy.Policy | None) -> Callable:
         return nnx_modules.call_keeping_state(run, fun, args, kwargs)
       return call(fun, settings, args, kwargs)
 
-  autocast_fun.__wrapped__ = fun
   return autocast_fun
 
 

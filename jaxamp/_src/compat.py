@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax._src import api_util as _api_util
 from jax._src import core as _core
 from jax._src import linear_util as _lu
@@ -25,6 +26,7 @@ Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 Var = jex_core.Var
 check_jaxpr = jex_core.check_jaxpr
+jaxpr_as_fun = jex_core.jaxpr_as_fun
 
 # The internals jaxamp needs, checked by tests/test_compat.py.
 REQUIRED_INTERNALS = {
@@ -39,15 +41,8 @@ REQUIRED_INTERNALS = {
         lambda: _pe.trace_to_jaxpr_dynamic,
     "jax._src.interpreters.partial_eval.convert_constvars_jaxpr":
         lambda: _pe.convert_constvars_jaxpr,
-    "jax._src.custom_derivatives.lift_jvp": lambda: _custom_derivatives().lift_jvp,
-    "jax._src.custom_derivatives.lift_fwd": lambda: _custom_derivatives().lift_fwd,
 }
 
-
-def _custom_derivatives():
-  from jax._src import custom_derivatives
-
-  return custom_derivatives
 
 
 def typeof(x) -> Any:
@@ -144,8 +139,6 @@ def custom_jvp_rule_jaxpr(eqn) -> Callable[[], tuple[Jaxpr, list[Any]]]:
 
 
 def _fill_zero_tangents(jaxpr, consts, out_zeros, out_avals):
-  import jax.numpy as jnp
-
   def full_rule(*args):
     outs = _core.eval_jaxpr(jaxpr, consts, *args)
     n = len(out_zeros)
@@ -202,8 +195,6 @@ def custom_vjp_rules(eqn):
 
 def instantiate(ct, aval) -> Any:
   """A cotangent as an array: symbolic zeros (and None) become zeros of ``aval``."""
-  import jax.numpy as jnp
-
   if ct is None or type(ct).__name__ in ("Zero", "SymbolicZero"):
     return jnp.zeros(aval.shape, aval.dtype)
   return ct

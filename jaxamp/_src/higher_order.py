@@ -279,7 +279,7 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
 
   @jax.custom_jvp
   def autocast_fun(*xs):
-    return jax.extend.core.jaxpr_as_fun(body)(*xs)
+    return compat.jaxpr_as_fun(body)(*xs)
 
   @autocast_fun.defjvp
   def autocast_fun_jvp(primals, tangents):
@@ -313,7 +313,7 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
 
   @jax.custom_vjp
   def autocast_fun(*xs):
-    return jax.extend.core.jaxpr_as_fun(body)(*xs)
+    return compat.jaxpr_as_fun(body)(*xs)
 
   def autocast_fwd(*xs):
     jaxpr, consts = fwd_jaxpr()

@@ -175,7 +175,6 @@ class Env:
       self.casts[key] = converted
     return converted
 
-
   def convert(self, value, dtype: np.dtype) -> Any:
     self.converts += 1
     return lax.convert_element_type(value, dtype)
@@ -347,8 +346,7 @@ def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion, instance: str
   if _keeps_dtypes(eqn):
     return _bind_traced_dtypes(eqn, env)
   if category is Category.LOWER and name in _LOWER_PRIMITIVES:
-    invals = _cast_for(category, eqn, env, ctx.policy)  # a low-precision op's own products
-    return _bind_native(eqn, env, ctx._replace(op=op), invals)
+    entering = None  # a low-precision op's own products run low too, not only what enters
   invals = _cast_for(category, eqn, env, ctx.policy, select=entering, cast_to=op.cast_to)
   return _bind_native(eqn, env, ctx._replace(op=op), invals)
 
@@ -430,7 +428,7 @@ def _cast_for(category: Category, eqn, env: Env, policy: Policy,
            for a in atoms):
       return [env.read(a) for a in atoms]  # float64 operands: not eligible, as in torch
     target = policy.dtype
-  elif category in (Category.FLOAT32, Category.FLOAT32_INSIDE):
+  elif category in _FLOAT32_OPS:
     target = jnp.dtype(jnp.float32)
   elif category is Category.PROMOTE:
     strong = [env.dtype(a) for a, f in zip(atoms, floats, strict=True)
@@ -515,7 +513,4 @@ def _retype_combiner(jaxpr, consts, dtype) -> Any:
   """A scalar combiner jaxpr (e.g. scatter-add's ``add``) re-traced for ``dtype`` operands."""
   closed = compat.ClosedJaxpr(jaxpr, list(consts))
   avals = [compat.aval_with_dtype(v.aval, dtype) for v in jaxpr.invars]
-  from jax.extend.core import jaxpr_as_fun
-
-  retyped = compat.trace(lambda *xs: jaxpr_as_fun(closed)(*xs), avals)
-  return retyped.jaxpr
+  return compat.trace(compat.jaxpr_as_fun(closed), avals).jaxpr
