@@ -11,7 +11,6 @@ gradients* are subnormal (scales below ~1e-38) the parameters may part; the scal
 """
 
 import functools
-import importlib.util
 import json
 import pathlib
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import script_modules
 
 import jaxamp
 
@@ -27,15 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDENS = json.loads((ROOT / "tests" / "goldens" / "gradscaler_trajectories.json").read_text())
 
 
-def load_recorder():
-  path = ROOT / "scripts" / "record_gradscaler_goldens.py"
-  spec = importlib.util.spec_from_file_location("record_gradscaler_goldens", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-recorder = load_recorder()
+recorder = script_modules.load("record_gradscaler_goldens")
 
 
 @functools.cache

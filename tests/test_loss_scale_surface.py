@@ -9,7 +9,6 @@ shows both sides (torch live).
 """
 
 import functools
-import importlib.util
 import json
 import pathlib
 
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import script_modules
 from flax import nnx
 from flax.training import train_state
 
@@ -30,15 +30,7 @@ PARAMS = {"w": jnp.array([1.0, -2.0, 3.0]), "b": jnp.array(0.5)}
 UINT = {"float64": np.uint64, "float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
 
 
-def load_recorder():
-  path = ROOT / "scripts" / "record_gradscaler_surface_goldens.py"
-  spec = importlib.util.spec_from_file_location("record_gradscaler_surface_goldens", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-recorder = load_recorder()
+recorder = script_modules.load("record_gradscaler_surface_goldens")
 
 
 def scaler(inner=None, **kwargs):
