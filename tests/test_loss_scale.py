@@ -35,10 +35,11 @@ def jitted_update(tx):
 
 
 def tree_bitwise_equal(a, b):
+  """Same structure, dtypes, shapes and bits (-0.0 is not +0.0; NaN payloads count)."""
   leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
   return jax.tree.structure(a) == jax.tree.structure(b) and all(
-      np.asarray(x).dtype == np.asarray(y).dtype
-      and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+      np.asarray(x).dtype == np.asarray(y).dtype and np.shape(x) == np.shape(y)
+      and np.asarray(x).tobytes() == np.asarray(y).tobytes()
       for x, y in zip(leaves_a, leaves_b, strict=True)
   )
 
@@ -162,6 +163,14 @@ def test_skipped_step_leaves_params_and_adam_state_bit_identical():
   assert tree_bitwise_equal(new_params, PARAMS)
   assert tree_bitwise_equal(skipped.inner_state, state.inner_state)
   assert skipped.inner_state[0].count == 1  # the step count did not advance
+
+
+def test_skipped_step_keeps_negative_zero_params_negative_zero():
+  params = {"w": jnp.array([-0.0, 0.0, -1.5])}
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-2))
+  updates, state = jitted_update(tx)({"w": jnp.array([np.inf, 1.0, 1.0])}, tx.init(params), params)
+  assert state.found_inf
+  assert tree_bitwise_equal(optax.apply_updates(params, updates), params)
 
 
 def test_skipped_step_does_not_advance_learning_rate_schedules():

@@ -99,6 +99,14 @@ def test_recipe_multisteps_around_the_scaler_skips_the_whole_accumulated_step_li
     np.testing.assert_allclose(params[name], expected[name], rtol=1e-5)
 
 
+def test_multi_steps_micro_steps_leave_negative_zero_params_bit_identical():
+  params = {"w": jnp.array([-0.0, 0.0, 2.0])}
+  tx = jaxamp.multi_steps(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
+  updates, _ = jax.jit(tx.update)({"w": jnp.ones(3)}, tx.init(params), params)
+  stepped = optax.apply_updates(params, updates)
+  assert np.asarray(stepped["w"]).tobytes() == np.asarray(params["w"]).tobytes()
+
+
 def test_plain_optax_multisteps_keeps_a_nan_accumulator_after_an_overflow():
   # Why the recipe wraps MultiSteps: without the reset every later window is skipped too.
   tx = optax.MultiSteps(jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0), 2)

@@ -43,6 +43,14 @@ def multi_steps(inner: optax.GradientTransformation, every_k_schedule) -> \
     updates, state = accumulate.update(updates, state, params, **extra_args)
     restart = state.mini_step == 0
     acc_grads = jax.tree.map(lambda a: jnp.where(restart, jnp.zeros_like(a), a), state.acc_grads)
-    return updates, state._replace(acc_grads=acc_grads)
+    return jax.tree.map(lambda u: _unless_emitted(restart, u), updates), \
+        state._replace(acc_grads=acc_grads)
 
   return optax.GradientTransformationExtraArgs(accumulate.init, update_fn)
+
+
+def _unless_emitted(emitted: jax.Array, update: jax.Array) -> jax.Array:
+  """-0.0 on micro-steps, where MultiSteps gives +0.0: ``p + -0.0`` is ``p`` bit for bit."""
+  if not jnp.issubdtype(update.dtype, jnp.inexact):
+    return update
+  return jnp.where(emitted, update, jnp.array(-0.0, update.dtype))

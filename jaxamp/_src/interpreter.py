@@ -11,8 +11,10 @@ from the policy table's category for the primitive:
 * op regions cast the values entering them by the op's category and run their inside natively;
 * higher-order primitives (jit, scan, cond, ...) are rewritten by ``higher_order.py``.
 
-Casts are cached per (variable, dtype), so a value is converted at most once per trace; and
-``add(dot(x, w), broadcast(b))`` keeps the dot's low dtype (torch's ``linear(x, w, b)``).
+Casts are cached per (variable, dtype), so a value is converted at most once per trace;
+``add(dot(x, w), broadcast(b))`` keeps the dot's low dtype (torch's ``linear(x, w, b)``); and a
+softmax computed in float32 on a 16-bit input runs under ``jax.checkpoint``, so that its backward
+keeps the 16-bit input rather than float32 intermediates (``RECOMPUTED_OPS``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -145,6 +148,7 @@ class Env:
     self.weak: set[Any] = set()  # vars holding a converted Python scalar: they follow others
     self.fills: dict[Any, Any] = {}  # var -> the broadcast_in_dim of a literal that made it
     self.hoisted: list[tuple[Any, np.dtype]] = []  # casts asked of hoistable invars
+    self.in_checkpointed_op = False  # evaluating one RECOMPUTED_OPS instance in a checkpoint
 
   def read(self, atom) -> Any:
     return atom.val if compat.is_literal(atom) else self.values[atom]
@@ -209,20 +213,39 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
   for var, value in zip(jaxpr.invars, args, strict=True):
     env.values[var] = value
     env.region[var] = inherited
-  last_use = _last_uses(jaxpr)
-  for index, eqn in enumerate(jaxpr.eqns):
-    with compat.traceback_of(eqn):  # the casts an eqn needs point at its source line
-      if env.recorder is not None:
-        outs, region = _eval_recorded(eqn, env, ctx)
-      else:
-        outs, region = _eval_eqn(eqn, env, ctx)
-    for var, value in zip(eqn.outvars, outs, strict=True):
-      env.values[var] = value
-      env.region[var] = region
-    for var in last_use.get(index, ()):
-      del env.values[var]  # dead: let eager evaluation free it, as JAX's eval_jaxpr does
+  last_read = _last_reads(jaxpr)
+  last_use = _dying_at(last_read, len(jaxpr.eqns))
+  runs = {} if env.in_checkpointed_op else _recomputed_runs(jaxpr.eqns, ctx)
+  index = 0
+  while index < len(jaxpr.eqns):
+    stop = runs.get(index, index + 1)
+    segment = _segment(jaxpr.eqns, index, stop, last_read) if index in runs else None
+    if segment is not None and _upcasts_16_bit(segment, env):
+      outs = _eval_recomputed(segment, env, ctx)
+      for var, value in zip(segment.outvars, outs, strict=True):
+        env.values[var] = value
+        env.region[var] = None
+      env.op_run = (None, None)
+    else:
+      stop = index + 1
+      _eval_one(jaxpr.eqns[index], env, ctx)
+    for dead in range(index, stop):
+      for var in last_use.get(dead, ()):
+        env.values.pop(var, None)  # dead: let eager evaluation free it, as eval_jaxpr does
+    index = stop
   _leave_ops(env, jaxpr.outvars, inherited)
   return [env.read(v) for v in jaxpr.outvars]
+
+
+def _eval_one(eqn, env: Env, ctx: Context) -> None:
+  with compat.traceback_of(eqn):  # the casts an eqn needs point at its source line
+    if env.recorder is not None:
+      outs, region = _eval_recorded(eqn, env, ctx)
+    else:
+      outs, region = _eval_eqn(eqn, env, ctx)
+  for var, value in zip(eqn.outvars, outs, strict=True):
+    env.values[var] = value
+    env.region[var] = region
 
 
 def _eval_recorded(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
@@ -233,8 +256,8 @@ def _eval_recorded(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
   return outs, region
 
 
-def _last_uses(jaxpr) -> dict[int, list]:
-  """Eqn index -> the variables read for the last time by that eqn (outputs excluded)."""
+def _last_reads(jaxpr) -> dict[Any, int]:
+  """Variable -> the index of the last eqn reading it (the eqn count for the jaxpr's outputs)."""
   last: dict[Any, int] = {}
   for index, eqn in enumerate(jaxpr.eqns):
     for atom in eqn.invars:
@@ -242,11 +265,112 @@ def _last_uses(jaxpr) -> dict[int, list]:
         last[atom] = index
   for atom in jaxpr.outvars:
     if not compat.is_literal(atom):
-      last.pop(atom, None)
+      last[atom] = len(jaxpr.eqns)
+  return last
+
+
+def _dying_at(last_read: dict[Any, int], num_eqns: int) -> dict[int, list]:
+  """Eqn index -> the variables read for the last time by that eqn (outputs excluded)."""
   by_eqn: dict[int, list] = {}
-  for var, index in last.items():
-    by_eqn.setdefault(index, []).append(var)
+  for var, index in last_read.items():
+    if index < num_eqns:
+      by_eqn.setdefault(index, []).append(var)
   return by_eqn
+
+
+# --- softmax keeps only its 16-bit input for the backward pass ---------------------------------
+
+# These FLOAT32_INSIDE ops run under ``jax.checkpoint`` when a 16-bit tensor enters them: torch's
+# softmax kernels save a 16-bit tensor (their output) for the backward, while differentiating
+# the float32 computation would keep its float32 ``exp``, twice the bytes. Recomputing the
+# elementwise inside costs little. Norms are not recomputed: their backward would recompute
+# ``x - mean`` over the whole activation, which cost more step time on XLA:CPU (+15% on the
+# benchmark conv net) than the float32 copies it saves are worth.
+RECOMPUTED_OPS = frozenset({"softmax", "log_softmax", "softmin"})
+
+
+class Segment(NamedTuple):
+  """Consecutive eqns of one op instance as a jaxpr ``evaluate`` can run on its own."""
+
+  constvars: tuple
+  invars: list
+  eqns: list
+  outvars: list
+
+
+def _recomputed_runs(eqns, ctx: Context) -> dict[int, int]:
+  """Start -> stop of each run of consecutive eqns forming one instance of a recomputed op."""
+  if ctx.op is not None:
+    return {}
+  runs: dict[int, int] = {}
+  start, current = 0, None
+  for index, eqn in enumerate(eqns):
+    instance = _recomputed_instance(eqn, ctx.policy)
+    if instance != current:
+      if current is not None:
+        runs[start] = index
+      start, current = index, instance
+  if current is not None:
+    runs[start] = len(eqns)
+  return runs
+
+
+def _recomputed_instance(eqn, policy: Policy) -> str | None:
+  """The instance of the FLOAT32_INSIDE op in RECOMPUTED_OPS an eqn belongs to, if any.
+
+  The op is found as ``_enclosing_op`` finds it: the outermost one the policy gives a category.
+  """
+  marks = regions.marks_of(eqn)
+  if marks.kept:
+    return None
+  for op in marks.ops:
+    category = _op_category(op, policy)
+    if category is not None:
+      recomputed = category is Category.FLOAT32_INSIDE and op.name in RECOMPUTED_OPS
+      return op.instance if recomputed else None
+  return None
+
+
+def _segment(eqns, start: int, stop: int, last_read: dict[Any, int]) -> Segment | None:
+  """``eqns[start:stop]`` with the variables it reads from outside and those read after it."""
+  body = eqns[start:stop]
+  if any(eqn.effects for eqn in body):
+    return None
+  defined, invars = set(), {}
+  for eqn in body:
+    for atom in eqn.invars:
+      if not compat.is_literal(atom) and atom not in defined:
+        invars.setdefault(atom, None)
+    defined.update(eqn.outvars)
+  outvars = [var for eqn in body for var in eqn.outvars if last_read.get(var, -1) >= stop]
+  return Segment((), list(invars), body, outvars)
+
+
+def _upcasts_16_bit(segment: Segment, env: Env) -> bool:
+  """Whether a 16-bit tensor enters the op, which computes in float32 inside."""
+  return any(atom.aval.shape and env.dtype(atom) in (jnp.bfloat16, jnp.float16)
+             for atom in segment.invars)
+
+
+def _eval_recomputed(segment: Segment, env: Env, ctx: Context) -> list[Any]:
+  """Runs one op instance under ``jax.checkpoint``: its backward recomputes the float32 inside.
+
+  The op's 16-bit inputs are all it keeps; the weak/fill facts about them carry over, so the
+  op computes exactly as it would outside the checkpoint.
+  """
+  def op(*values):
+    inner = Env(ctx, path=env.path)
+    inner.recorder, inner.in_checkpointed_op = env.recorder, True
+    for atom in segment.invars:
+      if atom in env.weak:
+        inner.weak.add(atom)
+      if atom in env.fills:
+        inner.fills[atom] = env.fills[atom]
+      if atom in env.broadcast_source:
+        inner.broadcast_source[atom] = env.broadcast_source[atom]
+    return evaluate(segment, (), values, ctx, env=inner)
+
+  return jax.checkpoint(op)(*[env.read(atom) for atom in segment.invars])
 
 
 def _eval_eqn(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:

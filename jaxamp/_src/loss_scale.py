@@ -452,6 +452,14 @@ def _found_inf(grads: Any, axis_name: Any) -> jax.Array:
   return found_inf
 
 
+def _no_op_update(shape: jax.ShapeDtypeStruct) -> jax.Array:
+  """The update of a skipped step: -0.0, for ``p + -0.0`` is ``p`` bit for bit (``+0.0`` would
+  turn a ``-0.0`` parameter into ``+0.0``)."""
+  if jnp.issubdtype(shape.dtype, jnp.inexact):
+    return jnp.full(shape.shape, -0.0, shape.dtype)
+  return jnp.zeros(shape.shape, shape.dtype)
+
+
 def _check_found_inf(found_inf: Any) -> jax.Array:
   """The ``found_inf`` extra argument of ``update``: a bool scalar (``unscale``'s second output)."""
   is_array = isinstance(found_inf, (bool, np.bool_, jax.Array, np.ndarray))
@@ -581,8 +589,7 @@ def dynamic_loss_scale(
 
     def skip_update(_: None) -> tuple[optax.Updates, optax.OptState]:
       out_updates, _ = jax.eval_shape(do_update, None)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_updates)
-      return zeros, state.inner_state
+      return jax.tree.map(_no_op_update, out_updates), state.inner_state
 
     new_updates, inner_state = lax.cond(found_inf, skip_update, do_update, None)
     scale, growth_tracker = _next_scale(
