@@ -3,9 +3,11 @@
 ``dynamic_loss_scale(inner)`` wraps the real optimizer. Its ``update`` receives the gradients of
 the *scaled* loss and does what ``scaler.step(optimizer); scaler.update()`` does in torch:
 
-1. one fused finite check over the whole gradient tree (reduced over ``axis_name`` when given);
+1. one finite check over the whole gradient tree, a single flag (reduced over ``axis_name`` when
+   given): one read of every gradient, the check's floor on a memory-bound backend;
 2. unscale in float32 with ``inv = f32(1 / f64(scale))``;
-3. on overflow skip the inner step (zero updates, inner state bit-identical), else run it;
+3. on overflow skip the inner step (-0.0 updates: params and inner state stay bit-identical),
+   else run it;
 4. back off or grow the scale, rounding ``f64(scale) * factor`` to float32 as torch does.
 
 The functions after the transform are the rest of ``GradScaler``, functional: ``scale_loss``
@@ -445,7 +447,7 @@ def _unscale_and_check(
 
 
 def _found_inf(grads: Any, axis_name: Any) -> jax.Array:
-  """Whether any gradient is Inf or NaN, on any device of ``axis_name``: one fused reduction."""
+  """Whether any gradient is Inf or NaN, on any device of ``axis_name``: one bool for the tree."""
   found_inf = _tree_found_inf(grads)
   if axis_name is not None:
     found_inf = lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
@@ -507,9 +509,10 @@ def dynamic_loss_scale(
   """Wraps ``inner`` with torch's dynamic loss scaling (``torch.amp.GradScaler``).
 
   ``update`` expects the gradients of the loss scaled by ``scale_loss``. It checks them for
-  Inf/NaN in one fused reduction, unscales them in float32 by ``float32(1 / float64(scale))``, and
-  then either runs ``inner`` on the unscaled gradients or, on overflow, skips it: zero updates and
-  an inner state left bit-identical (step counts and schedules do not advance). Finally the scale
+  Inf/NaN into one flag, unscales them in float32 by ``float32(1 / float64(scale))``, and
+  then either runs ``inner`` on the unscaled gradients or, on overflow, skips it: ``-0.0`` updates
+  (``apply_updates`` leaves every parameter bit-identical, ``-0.0`` ones too) and an inner state
+  left bit-identical (step counts and schedules do not advance). Finally the scale
   is multiplied by ``backoff_factor`` after an overflow, or by ``growth_factor`` after
   ``growth_interval`` consecutive finite steps (unless that would overflow float32), rounding the
   float64 product to float32 exactly as torch's kernel does. Everything runs under ``jit``.
