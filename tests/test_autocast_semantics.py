@@ -222,6 +222,30 @@ def test_each_value_is_cast_once_per_trace():
   assert len(sources) == len(set(map(id, sources)))
 
 
+def cancelling_converts(fun, *args) -> list:
+  """``convert(convert(v: A -> B) -> A)`` pairs in ``fun``'s jaxpr."""
+  made_by, pairs = {}, []
+  for eqn in converts(fun, *args):
+    made_by[eqn.outvars[0]] = eqn
+    source = made_by.get(eqn.invars[0])
+    if source is not None and source.invars[0].aval.dtype == eqn.outvars[0].aval.dtype:
+      pairs.append((source, eqn))
+  return pairs
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_no_convert_chain_cancels_when_a_value_is_used_in_two_dtypes(device_type, low):
+  # x, w and h are each needed low (dots) and float32 (exp, log, the float32 sum): every float32
+  # use reads the original, never a float32 convert of the low copy. (A float32-inside op's
+  # result rounded to the input dtype and upcast again by a float32 op is not such a chain:
+  # torch rounds there too.)
+  def fun(x, w):
+    h = x @ w
+    return jnp.exp(x) + jnp.log(jnp.abs(w[:4, :4])).sum() + jnp.exp(h) + (h @ w) + (x @ w) @ w
+
+  assert cancelling_converts(jaxamp.autocast(fun, device_type=device_type), X, W) == []
+
+
 def test_cache_disabled_casts_at_every_use():
   fun = jaxamp.autocast(lambda x, w: (x @ w, x @ w), device_type="cuda", cache_enabled=False)
   assert len(converts(fun, X, W)) == 4
