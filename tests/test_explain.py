@@ -34,6 +34,16 @@ def test_decisions_name_the_rule_and_the_torch_ops():
   assert softmax and all(d.torch_ops == ("softmax",) for d in softmax)
 
 
+def attention_like(x, w):
+  return jax.nn.softmax(x @ w)  # a softmax of a bfloat16 value under "cpu"
+
+
+def test_softmax_recomputed_in_the_backward_pass_sits_in_a_checkpoint():
+  explanation = jaxamp.explain(attention_like, device_type="cpu")(X, W)
+  softmax = [d for d in explanation.decisions if d.rule == "op softmax: float32_inside"]
+  assert softmax and all(d.path == "checkpoint" for d in softmax)
+
+
 def test_casts_inserted_are_counted_once_per_value():
   explanation = jaxamp.explain(lambda x, w: (x @ w, x @ w), device_type="cuda")(X, W)
   assert [d.casts for d in explanation.decisions] == [2, 0]

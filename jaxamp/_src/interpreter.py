@@ -358,8 +358,10 @@ def _eval_recomputed(segment: Segment, env: Env, ctx: Context) -> list[Any]:
   The op's 16-bit inputs are all it keeps; the weak/fill facts about them carry over, so the
   op computes exactly as it would outside the checkpoint.
   """
+  path = f"{env.path}/checkpoint" if env.path else "checkpoint"  # ``explain`` shows it
+
   def op(*values):
-    inner = Env(ctx, path=env.path)
+    inner = Env(ctx, path=path)
     inner.recorder, inner.in_checkpointed_op = env.recorder, True
     for atom in segment.invars:
       if atom in env.weak:
