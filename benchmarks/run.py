@@ -97,7 +97,12 @@ def gpu_section(results_by_model: dict, policies, markdown: bool) -> str:
     return f"{title}\n\nskipped: jax.default_backend() is {backend!r}, not 'gpu'."
   if not results_by_model:
     return f"{title}\n\nskipped: run it together with the lm or conv section (--only lm,gpu)."
-  out = [title, "", f"device: {jax.devices()[0].device_kind}"]
+  return "\n".join([title, "", f"device: {jax.devices()[0].device_kind}",
+                    gpu_table(results_by_model, markdown)])
+
+
+def gpu_table(results_by_model: dict, markdown: bool) -> str:
+  """Step time and speed-up over float32 of every variant, and the gemm/conv kernels' dtypes."""
   rows = []
   for model, results in results_by_model.items():
     base = results["float32"]["step"]
@@ -105,10 +110,9 @@ def gpu_section(results_by_model: dict, policies, markdown: bool) -> str:
       kinds = ", ".join(f"{k[0]} {k[1]}->{k[2]} x{v}"
                         for k, v in sorted(res["step_hlo_matmuls"].items()))
       rows.append([model, name, common.ms(res["step"]), f"{base / res['step']:.2f}x", kinds])
-  out.append(common.table(["model", "variant", "step ms", "speed-up vs f32",
-                           "gemm/conv calls in the train step (operands->result x count)"],
-                          rows, markdown))
-  return "\n".join(out)
+  return common.table(["model", "variant", "step ms", "speed-up vs f32",
+                       "gemm/conv calls in the train step (operands->result x count)"],
+                      rows, markdown)
 
 
 def main(argv=None) -> int:
