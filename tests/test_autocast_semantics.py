@@ -9,6 +9,7 @@ import pytest
 from jax import lax
 
 import jaxamp
+from jaxamp._src import compat
 
 POLICIES = [("cuda", jnp.float16), ("cpu", jnp.bfloat16)]
 KEY = jax.random.key(0)
@@ -244,6 +245,22 @@ def test_no_convert_chain_cancels_when_a_value_is_used_in_two_dtypes(device_type
     return jnp.exp(x) + jnp.log(jnp.abs(w[:4, :4])).sum() + jnp.exp(h) + (h @ w) + (x @ w) @ w
 
   assert cancelling_converts(jaxamp.autocast(fun, device_type=device_type), X, W) == []
+
+
+def attention_probs(x, w):
+  return jax.nn.softmax(x @ w)
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_inserted_casts_point_at_the_source_line_of_the_op_that_needed_them(device_type, low):
+  # Profiles and residual listings name the user's line, not the interpreter's.
+  jaxpr = jax.make_jaxpr(jaxamp.autocast(attention_probs, device_type=device_type))(X, W).jaxpr
+  casts = [eqn for _, eqn in jaxpr_utils.walk(jaxpr)
+           if eqn.primitive.name == "convert_element_type"]
+  assert casts
+  for eqn in casts:
+    files = {file for file, _, _ in compat.traceback_frames(eqn)}
+    assert __file__ in files and not any(f.endswith("interpreter.py") for f in files)
 
 
 def test_cache_disabled_casts_at_every_use():

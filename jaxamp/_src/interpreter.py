@@ -233,7 +233,9 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
       for var in last_use.get(dead, ()):
         env.values.pop(var, None)  # dead: let eager evaluation free it, as eval_jaxpr does
     index = stop
-  _leave_ops(env, jaxpr.outvars, inherited)
+  if jaxpr.eqns:
+    with compat.traceback_of(jaxpr.eqns[-1]):  # an op's exit casts point at the op's source line
+      _leave_ops(env, jaxpr.outvars, inherited)
   return [env.read(v) for v in jaxpr.outvars]
 
 
