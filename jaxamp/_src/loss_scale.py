@@ -423,21 +423,11 @@ def _tree_found_inf(tree: Any) -> jax.Array:
 
 def _tree_unscale(tree: Any, scale: jax.Array) -> Any:
   """``g * float32(1 / float64(scale))`` in (at least) float32, cast back to each leaf's dtype."""
-  return _tree_unscale_by(tree, _barrier_factors(scale))
-
-
-def _barrier_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``_unscale_factors``' ``(a, b)`` behind an optimization barrier.
-
-  The factors come from ~100 scalar integer ops. Without the barrier XLA fuses that computation
-  into the unscale of every leaf: compile time grows with it (6x adam's at 516 leaves).
-  """
-  a, b, _ = _unscale_factors(scale)
-  return lax.optimization_barrier((a, b))
+  return _tree_unscale_by(tree, _unscale_factors(scale)[:2])
 
 
 def _tree_unscale_by(tree: Any, factors: tuple[jax.Array, jax.Array]) -> Any:
-  """``g * a * b`` in (at least) float32, cast back to each leaf's dtype."""
+  """``g * a * b`` (``_unscale_factors``) in (at least) float32, cast back to each leaf's dtype."""
   a, b = factors
 
   def unscale(g: Any) -> Any:
@@ -599,9 +589,9 @@ def dynamic_loss_scale(
     else:  # already unscaled by `unscale` (torch's unscale_ before step): used as given
       found_inf, unscale_first = _check_found_inf(found_inf), False
 
-    # The factors are computed before the cond: inside its branch XLA fuses their scalar
-    # computation into every leaf's update, barrier or not (3x the compile time).
-    factors = _barrier_factors(state.scale) if unscale_first else None
+    # The factors (~100 scalar integer ops) are computed before the cond: inside its branch
+    # XLA fuses them into every leaf's update, which tripled the compile time at 516 leaves.
+    factors = _unscale_factors(state.scale)[:2] if unscale_first else None
 
     def do_update(_: None) -> tuple[optax.Updates, optax.OptState]:
       # Unscaling inside the taken branch lets XLA fuse it into the inner update instead of
