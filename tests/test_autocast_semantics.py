@@ -263,6 +263,13 @@ def test_inserted_casts_point_at_the_source_line_of_the_op_that_needed_them(devi
     assert __file__ in files and not any(f.endswith("interpreter.py") for f in files)
 
 
+def test_op_names_in_the_compiled_program_say_autocast():
+  # What a profiler shows: jit(loss)/jaxamp.autocast/dot_general.
+  lowered = jax.jit(jaxamp.autocast(attention_probs, device_type="cpu")).lower(X, W)
+  text = lowered.as_text(debug_info=True)
+  assert "jaxamp.autocast/" in text and "jaxamp.kept" not in text
+
+
 def test_cache_disabled_casts_at_every_use():
   fun = jaxamp.autocast(lambda x, w: (x @ w, x @ w), device_type="cuda", cache_enabled=False)
   assert len(converts(fun, X, W)) == 4

@@ -66,7 +66,7 @@ def autocast(fun: Callable | None = None, *, device_type: str | None = None, dty
 def _wrap(fun: Callable, settings: policy.Policy | None) -> Callable:
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
-    with regions.kept_region():
+    with regions.kept_region(regions.AUTOCAST_MARK):
       if settings is None:
         return fun(*args, **kwargs)
       if nnx_modules.contains_modules((args, kwargs)):

@@ -26,7 +26,11 @@ import numpy as np
 from jaxamp._src import compat
 from jaxamp._src.policy import Category
 
+# Name scopes of eqns autocast runs exactly as written: what an autocast call emitted (the scope
+# profiles show around autocast code) and the inside of autocast_disabled() blocks.
+AUTOCAST_MARK = "jaxamp.autocast"
 KEPT_MARK = "jaxamp.kept"
+_KEPT_MARKS = frozenset({AUTOCAST_MARK, KEPT_MARK})
 _OP_PREFIX = "jaxamp.op:"
 _instances = itertools.count()
 
@@ -52,9 +56,9 @@ _user_defaults: dict[str, Category | None] = {}
 
 
 @contextlib.contextmanager
-def kept_region() -> Iterator[None]:
-  """Marks everything traced inside as run exactly as written."""
-  with jax.named_scope(KEPT_MARK):
+def kept_region(mark: str = KEPT_MARK) -> Iterator[None]:
+  """Marks everything traced inside as run exactly as written (``mark``: one of _KEPT_MARKS)."""
+  with jax.named_scope(mark):
     yield
 
 
@@ -152,7 +156,7 @@ NO_MARKS = Marks(False, ())
 def marks_of(eqn) -> Marks:
   """The region marks of one eqn, from its name stack and its traceback."""
   scopes = compat.name_scopes(eqn)
-  if KEPT_MARK in scopes:
+  if not _KEPT_MARKS.isdisjoint(scopes):
     return Marks(True, ())
   named = tuple(_named_op(scope) for scope in scopes if scope.startswith(_OP_PREFIX))
   library = _library_ops_of(compat.traceback_frames(eqn))
