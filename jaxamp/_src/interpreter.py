@@ -286,7 +286,7 @@ def _dying_at(last_read: dict[Any, int], num_eqns: int) -> dict[int, list]:
 # softmax kernels save a 16-bit tensor (their output) for the backward, while differentiating
 # the float32 computation would keep its float32 ``exp``, twice the bytes. Recomputing the
 # elementwise inside costs little. Norms are not recomputed: their backward would recompute
-# ``x - mean`` over the whole activation, which cost more step time on XLA:CPU (+15% on the
+# ``x - mean`` over the whole activation, which cost more step time on XLA:CPU (+8-17% on the
 # benchmark conv net) than the float32 copies it saves are worth.
 RECOMPUTED_OPS = frozenset({"softmax", "log_softmax", "softmin"})
 
