@@ -215,7 +215,8 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
     env.region[var] = inherited
   last_read = _last_reads(jaxpr)
   last_use = _dying_at(last_read, len(jaxpr.eqns))
-  runs = {} if env.in_checkpointed_op else _recomputed_runs(jaxpr.eqns, ctx)
+  marks = [regions.marks_of(eqn) for eqn in jaxpr.eqns]
+  runs = {} if env.in_checkpointed_op else _recomputed_runs(marks, ctx)
   index = 0
   while index < len(jaxpr.eqns):
     stop = runs.get(index, index + 1)
@@ -228,7 +229,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
       env.op_run = (None, None)
     else:
       stop = index + 1
-      _eval_one(jaxpr.eqns[index], env, ctx)
+      _eval_one(jaxpr.eqns[index], marks[index], env, ctx)
     for dead in range(index, stop):
       for var in last_use.get(dead, ()):
         env.values.pop(var, None)  # dead: let eager evaluation free it, as eval_jaxpr does
@@ -239,20 +240,21 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
   return [env.read(v) for v in jaxpr.outvars]
 
 
-def _eval_one(eqn, env: Env, ctx: Context) -> None:
+def _eval_one(eqn, marks: regions.Marks, env: Env, ctx: Context) -> None:
   with compat.traceback_of(eqn):  # the casts an eqn needs point at its source line
     if env.recorder is not None:
-      outs, region = _eval_recorded(eqn, env, ctx)
+      outs, region = _eval_recorded(eqn, marks, env, ctx)
     else:
-      outs, region = _eval_eqn(eqn, env, ctx)
+      outs, region = _eval_eqn(eqn, marks, env, ctx)
   for var, value in zip(eqn.outvars, outs, strict=True):
     env.values[var] = value
     env.region[var] = region
 
 
-def _eval_recorded(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
+def _eval_recorded(eqn, marks: regions.Marks, env: Env,
+                   ctx: Context) -> tuple[list[Any], str | None]:
   env.rule, env.ran_on, converts = "", None, env.converts
-  outs, region = _eval_eqn(eqn, env, ctx)
+  outs, region = _eval_eqn(eqn, marks, env, ctx)
   ran_on = env.ran_on if env.ran_on is not None else [env.read(a) for a in eqn.invars]
   env.recorder(env.path, eqn, env.rule, ran_on, outs, env.converts - converts, ctx.policy)
   return outs, region
@@ -300,29 +302,28 @@ class Segment(NamedTuple):
   outvars: list
 
 
-def _recomputed_runs(eqns, ctx: Context) -> dict[int, int]:
+def _recomputed_runs(marks: Sequence[regions.Marks], ctx: Context) -> dict[int, int]:
   """Start -> stop of each run of consecutive eqns forming one instance of a recomputed op."""
   if ctx.op is not None:
     return {}
   runs: dict[int, int] = {}
   start, current = 0, None
-  for index, eqn in enumerate(eqns):
-    instance = _recomputed_instance(eqn, ctx.policy)
+  for index, eqn_marks in enumerate(marks):
+    instance = _recomputed_instance(eqn_marks, ctx.policy)
     if instance != current:
       if current is not None:
         runs[start] = index
       start, current = index, instance
   if current is not None:
-    runs[start] = len(eqns)
+    runs[start] = len(marks)
   return runs
 
 
-def _recomputed_instance(eqn, policy: Policy) -> str | None:
-  """The instance of the FLOAT32_INSIDE op in RECOMPUTED_OPS an eqn belongs to, if any.
+def _recomputed_instance(marks: regions.Marks, policy: Policy) -> str | None:
+  """The instance of the RECOMPUTED_OPS op (FLOAT32_INSIDE) an eqn with these marks is in, if any.
 
   The op is found as ``_enclosing_op`` finds it: the outermost one the policy gives a category.
   """
-  marks = regions.marks_of(eqn)
   if marks.kept:
     return None
   for op in marks.ops:
@@ -377,8 +378,7 @@ def _eval_recomputed(segment: Segment, env: Env, ctx: Context) -> list[Any]:
   return jax.checkpoint(op)(*[env.read(atom) for atom in segment.invars])
 
 
-def _eval_eqn(eqn, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
-  marks = regions.marks_of(eqn)
+def _eval_eqn(eqn, marks: regions.Marks, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
   if marks.kept:
     env.rule = "kept"
     env.op_run = (None, None)
