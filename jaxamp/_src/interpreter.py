@@ -19,6 +19,7 @@ keeps the 16-bit input rather than float32 intermediates (``RECOMPUTED_OPS``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -219,9 +220,9 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
   runs = {} if env.in_checkpointed_op else _recomputed_runs(marks, ctx)
   index = 0
   while index < len(jaxpr.eqns):
-    stop = runs.get(index, index + 1)
-    segment = _segment(jaxpr.eqns, index, stop, last_read) if index in runs else None
+    segment = _segment(jaxpr.eqns, index, runs[index], last_read) if index in runs else None
     if segment is not None and _upcasts_16_bit(segment, env):
+      stop = runs[index]
       outs = _eval_recomputed(segment, env, ctx)
       for var, value in zip(segment.outvars, outs, strict=True):
         env.values[var] = value
@@ -234,9 +235,9 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
       for var in last_use.get(dead, ()):
         env.values.pop(var, None)  # dead: let eager evaluation free it, as eval_jaxpr does
     index = stop
-  if jaxpr.eqns:
-    with compat.traceback_of(jaxpr.eqns[-1]):  # an op's exit casts point at the op's source line
-      _leave_ops(env, jaxpr.outvars, inherited)
+  # An op's exit casts point at the op's source line.
+  with compat.traceback_of(jaxpr.eqns[-1]) if jaxpr.eqns else contextlib.nullcontext():
+    _leave_ops(env, jaxpr.outvars, inherited)
   return [env.read(v) for v in jaxpr.outvars]
 
 
