@@ -1,9 +1,8 @@
 """autocast composes with shard_map and with jit shardings on several (virtual CPU) devices."""
 
-import os
-import subprocess
-import sys
 import textwrap
+
+import cpu_devices
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -47,8 +46,5 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_autocast_composes_with_shard_map_and_jit_shardings_on_four_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
+  result = cpu_devices.run_script(SCRIPT, devices=4)
   assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

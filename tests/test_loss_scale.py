@@ -4,13 +4,10 @@ Each test states one behaviour of ``update`` (unscale, finite check, skip, back 
 state, of ``enabled=False`` or of the constructor's validation. Updates run under ``jax.jit``.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
+import cpu_devices
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -382,14 +379,7 @@ _SHARD_MAP_SCRIPT = textwrap.dedent(
 
 
 def run_on_four_cpu_devices(script):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=120, check=False)
-  assert out.returncode == 0, out.stderr
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  return cpu_devices.run_json(script, devices=4)
 
 
 def test_axis_name_makes_every_shard_skip_when_one_shard_overflows():

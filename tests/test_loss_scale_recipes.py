@@ -6,11 +6,9 @@ parallelism over several devices.
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
+import cpu_devices
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -324,14 +322,7 @@ _DATA_PARALLEL_SCRIPT = textwrap.dedent(
 
 
 def test_recipe_data_parallel_training_with_shard_map_and_axis_name():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  out = subprocess.run([sys.executable, "-c", _DATA_PARALLEL_SCRIPT], env=env,
-                       capture_output=True, text=True, timeout=120, check=False)
-  assert out.returncode == 0, out.stderr
-  result = json.loads(out.stdout.strip().splitlines()[-1])
+  result = cpu_devices.run_json(_DATA_PARALLEL_SCRIPT, devices=4)
   assert result["devices"] == 4
   assert result["log"] == [[1024.0, False, 1024.0], [512.0, True, 512.0],
                            [512.0, False, 512.0], [1024.0, False, 1024.0]]

@@ -11,12 +11,9 @@ scale backed off once, in every device's copy.
 The body runs in a subprocess: the device count must be set (``XLA_FLAGS``) before JAX starts.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
+import cpu_devices
 import numpy as np
 import pytest
 
@@ -120,14 +117,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def result():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300, check=False)
-  assert out.returncode == 0, out.stderr[-5000:]
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  return cpu_devices.run_json(SCRIPT, devices=8)
 
 
 PARALLEL = ("named_sharding", "shard_map")

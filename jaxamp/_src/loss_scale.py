@@ -461,10 +461,36 @@ def _found_inf(grads: Any, axis_name: Any) -> jax.Array:
 
 def _no_op_update(shape: jax.ShapeDtypeStruct) -> jax.Array:
   """The update of a skipped step: -0.0, for ``p + -0.0`` is ``p`` bit for bit (``+0.0`` would
-  turn a ``-0.0`` parameter into ``+0.0``)."""
+  turn a ``-0.0`` parameter into ``+0.0``). Varying over the manual axes ``shape`` varies over."""
   if jnp.issubdtype(shape.dtype, jnp.inexact):
-    return jnp.full(shape.shape, -0.0, shape.dtype)
-  return jnp.zeros(shape.shape, shape.dtype)
+    update = jnp.full(shape.shape, -0.0, shape.dtype)
+  else:
+    update = jnp.zeros(shape.shape, shape.dtype)
+  return _vary_like(update, shape)
+
+
+def _varying_axes(x: Any) -> frozenset:
+  """The ``shard_map`` mesh axes over which ``x`` (a value or a ``ShapeDtypeStruct``) varies.
+
+  Empty outside ``shard_map`` and under ``check_vma=False``: there nothing is typed as varying.
+  """
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))  # the name before jax 0.10
+
+
+def _vary_like(x: Any, like: Any) -> Any:
+  """``x``, cast to vary also over the manual axes ``like`` varies over (the values unchanged).
+
+  Under ``shard_map`` (``check_vma=True``) the two branches of a ``cond`` must have the same
+  varying axes: a constant or an unchanged state is invariant where the computed one varies.
+  """
+  missing = _varying_axes(like) - _varying_axes(x)
+  if not missing:
+    return x
+  return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
 
 
 def _check_found_inf(found_inf: Any) -> jax.Array:
@@ -531,7 +557,8 @@ def dynamic_loss_scale(
     enabled: ``False`` makes the wrapper an exact pass-through of ``inner`` (scale 1.0).
     axis_name: a mapped axis name (``shard_map``, ``pmap``) or tuple of names over which the
       finite check is reduced, so that every shard skips the same steps. Needed whenever shards
-      see different gradients (e.g. sharded parameters, or gradients not yet averaged).
+      see different gradients (e.g. sharded parameters, or gradients not yet averaged). Sharded
+      gradients, updates and optimizer states work under ``shard_map``'s ``check_vma``.
 
   Returns:
     A ``GradientTransformationExtraArgs``. Its ``update(grads, state, params, **extra_args)``
@@ -599,11 +626,26 @@ def dynamic_loss_scale(
       grads = _tree_unscale_by(updates, factors) if unscale_first else updates
       return inner.update(grads, state.inner_state, params, **extra_args)
 
-    def skip_update(_: None) -> tuple[optax.Updates, optax.OptState]:
-      out_updates, _ = jax.eval_shape(do_update, None)
-      return jax.tree.map(_no_op_update, out_updates), state.inner_state
+    # Under shard_map the branches must agree on the axes each output varies over: a skipped
+    # step's -0.0 updates vary like the taken step's updates, and each inner state leaf varies
+    # over the axes of its old and its new value in both branches (sharded gradients make
+    # the new updates and moments vary where the constants and the old state need not).
+    out_updates, out_state = jax.eval_shape(do_update, None)
+    same_tree = jax.tree.structure(out_state) == jax.tree.structure(state.inner_state)
 
-    new_updates, inner_state = lax.cond(found_inf, skip_update, do_update, None)
+    def take_update(_: None) -> tuple[optax.Updates, optax.OptState]:
+      new_updates, inner_state = do_update(None)
+      if same_tree:  # else the cond reports the mismatch
+        inner_state = jax.tree.map(_vary_like, inner_state, state.inner_state)
+      return new_updates, inner_state
+
+    def skip_update(_: None) -> tuple[optax.Updates, optax.OptState]:
+      inner_state = state.inner_state
+      if same_tree:
+        inner_state = jax.tree.map(_vary_like, inner_state, out_state)
+      return jax.tree.map(_no_op_update, out_updates), inner_state
+
+    new_updates, inner_state = lax.cond(found_inf, skip_update, take_update, None)
     scale, growth_tracker = _next_scale(
         state.scale, state.growth_tracker, found_inf, state.hyperparams
     )
