@@ -7,6 +7,7 @@
 from jaxamp import functional
 from jaxamp._src.accumulation import multi_steps
 from jaxamp._src.autocast import autocast, custom_bwd, custom_fwd
+from jaxamp._src.caches import clear_caches
 from jaxamp._src.explain import Decision, Explanation, explain
 from jaxamp._src.loss_scale import (
     DynamicLossScaleState,
@@ -58,6 +59,7 @@ __all__ = (
     "functional",
     "autocast",
     "autocast_disabled",
+    "clear_caches",
     "custom_bwd",
     "custom_fwd",
     "get_autocast_dtype",

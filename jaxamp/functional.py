@@ -28,6 +28,7 @@ import numpy as np
 from jaxamp._src import regions
 
 __all__ = [
+    "bilinear",
     "binary_cross_entropy",
     "binary_cross_entropy_with_logits",
     "cdist",
@@ -731,3 +732,19 @@ def prelu(input: Array, weight: Array) -> Array:
   elif w.size == 1:
     w = w.reshape(())
   return jnp.where(x > 0, x, w * x)
+
+
+# --- linear layers -----------------------------------------------------------------------------
+
+
+@regions.register_op("bilinear")
+def bilinear(input1: Array, input2: Array, weight: Array, bias: Array | None = None) -> Array:
+  """``torch.nn.functional.bilinear``: ``y[..., o] = x1[..., i] W[o, i, j] x2[..., j] + b[o]``.
+
+  The inputs are brought to their promoted dtype first, so the whole op runs in one dtype, as
+  torch's ``bilinear`` (on the promote lists of CUDA and XPU) does.
+  """
+  x1, x2, w, b = _arrays(input1, input2, weight, bias)
+  dtype = jnp.result_type(*(a for a in (x1, x2, w, b) if a is not None))
+  y = jnp.einsum("...i,oij,...j->...o", x1.astype(dtype), w.astype(dtype), x2.astype(dtype))
+  return y if b is None else y + b.astype(dtype)

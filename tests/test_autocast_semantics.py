@@ -140,9 +140,19 @@ def test_bias_add_of_a_batch_of_one_stays_in_the_low_dtype():
   assert jaxamp.autocast(dense, device_type="cuda")(X[:1], W, B).dtype == jnp.float16
 
 
-def test_add_of_two_full_tensors_after_a_dot_promotes():
-  fun = jaxamp.autocast(lambda x, w, y: x @ w + y, device_type="cuda")
+def test_residual_add_of_a_computed_value_after_a_dot_promotes():
+  fun = jaxamp.autocast(lambda x, w, h: jnp.tanh(h) + x @ w, device_type="cuda")  # h + linear(x)
   assert fun(X, W, X).dtype == jnp.float32
+
+
+def test_residual_add_of_the_dots_own_input_promotes():
+  fun = jaxamp.autocast(lambda x, w: x + x @ w, device_type="cuda")
+  assert fun(X, W).dtype == jnp.float32
+
+
+def test_full_shape_parameter_added_to_a_dot_stays_in_the_low_dtype():
+  fun = jaxamp.autocast(lambda x, w, c: c + x @ w, device_type="cuda")  # torch.addmm(c, x, w)
+  assert fun(X, W, X).dtype == jnp.float16
 
 
 def test_cpu_cat_promotes_to_the_widest():

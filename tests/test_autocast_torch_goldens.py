@@ -76,11 +76,8 @@ DIVERGENCES: dict[str, tuple[str, str]] = {
     "mm_plus_bias": ("low", "a bias add after a dot runs in the low dtype (DESIGN.md section 2), "
                             "so torch.mm(x, W) + b is F.linear(x, W, b)"),
     "mv": ("low", "torch's CPU list has mm/matmul but not mv; both are dot_general in JAX"),
-    "dot": ("low", "torch's CPU list has mm/matmul but not dot; both are dot_general in JAX"),
-    "addbmm": ("float32", "c + x @ y with a full-shape c is torch's bmm(...) + c (float32) as "
-                          "much as addbmm (which casts c too); only broadcast biases join the dot"),
-    "baddbmm": ("float32", "c + x @ y with a full-shape c: as addbmm"),
-    "addmm_full_input": ("float32", "c + a @ b with a full-shape c: as addbmm"),
+    "addmv": ("low", "torch's CPU list has addmm but not addmv; c + A @ v is a dot_general and "
+                     "a parameter added to it in JAX, as addmm (torch's CUDA list has addmv)"),
     "lstm_layer": ("float32", "a JAX LSTM layer is a scan, whose carries keep their declared "
                               "(float32) dtypes (DESIGN.md section 2); torch's oneDNN layer "
                               "returns bfloat16"),

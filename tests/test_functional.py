@@ -162,6 +162,7 @@ def _example_args(name: str) -> tuple:
   sign = jnp.array([1.0, -1.0, 1.0, -1.0])
   special = {
       "cross_entropy": (x, t),
+      "bilinear": (x, x, jnp.ones((3, 6, 6))),
       "nll_loss": (x, t),
       "multi_margin_loss": (x, t),
       "multilabel_margin_loss": (x, jnp.array([[0, 1, -1, 0, 0, 0]] * 4)),

@@ -173,6 +173,17 @@ def test_linen_step_passes_extra_arguments_to_the_loss_function():
   np.testing.assert_allclose(metrics["loss"], 2.0 * linen_loss(mlp_params(), BATCH), rtol=1e-6)
 
 
+@pytest.mark.parametrize("enabled", [True, False], ids=["autocast", "float32"])
+def test_linen_step_passes_a_key_and_keyword_arguments_to_the_loss_function(enabled):
+  def loss_fn(params, batch, dropout_key, *, poison):
+    mask = jax.random.bernoulli(dropout_key, 0.5, batch[0].shape)
+    return linen_loss(params, (batch[0] * mask, batch[1])) * poison
+
+  step = jax.jit(make_train_step(loss_fn, device_type="cpu", enabled=enabled))
+  _, metrics = step(linen_state(scaler()), BATCH, jax.random.key(1), poison=jnp.float32(2.0))
+  assert np.isfinite(metrics["loss"])
+
+
 def test_linen_step_returns_the_loss_functions_aux_in_metrics():
   def loss_with_aux(params, batch):
     logits = MLP().apply({"params": params}, batch[0])
@@ -389,6 +400,53 @@ def test_nnx_step_runs_without_jit():
   model, optimizer = nnx_setup(scaler())
   metrics = make_nnx_train_step(nnx_loss, device_type="cpu")(model, optimizer, BATCH)
   assert np.isfinite(metrics["loss"]) and int(optimizer.step[...]) == 1
+
+
+class DropoutNet(nnx.Module):
+  """Draws its dropout mask from an ``nnx.Rngs`` passed to each call, as flax's examples do."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(6, 16, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5)
+    self.out = nnx.Linear(16, 3, rngs=rngs)
+
+  def __call__(self, x, rngs):
+    return self.out(self.dropout(nnx.relu(self.hidden(x)), rngs=rngs))
+
+
+def dropout_loss(model, batch, rngs):
+  return cross_entropy(model(batch[0], rngs), batch[1])
+
+
+def dropout_loss_keyword(model, batch, *, rngs):
+  return dropout_loss(model, batch, rngs)
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["autocast", "float32"])
+@pytest.mark.parametrize("mode", ["eager", "nnx_jit"])
+def test_nnx_step_passes_an_rngs_argument_to_the_loss_function(mode, enabled):
+  model = DropoutNet(nnx.Rngs(0))
+  optimizer, rngs = nnx.Optimizer(model, scaler(), wrt=nnx.Param), nnx.Rngs(dropout=1)
+  step = make_nnx_train_step(dropout_loss, device_type="cpu", enabled=enabled)
+  metrics = (step if mode == "eager" else nnx.jit(step))(model, optimizer, BATCH, rngs)
+  assert np.isfinite(metrics["loss"]) and int(rngs.dropout.count[...]) == 1
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["autocast", "float32"])
+def test_nnx_step_passes_keyword_arguments_to_the_loss_function(enabled):
+  model = DropoutNet(nnx.Rngs(0))
+  optimizer, rngs = nnx.Optimizer(model, scaler(), wrt=nnx.Param), nnx.Rngs(dropout=1)
+  step = nnx.jit(make_nnx_train_step(dropout_loss_keyword, device_type="cpu", enabled=enabled))
+  metrics = step(model, optimizer, BATCH, rngs=rngs)
+  assert np.isfinite(metrics["loss"]) and int(rngs.dropout.count[...]) == 1
+
+
+def test_nnx_step_draws_a_new_dropout_mask_each_step():
+  model = DropoutNet(nnx.Rngs(0))
+  optimizer, rngs = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param), nnx.Rngs(dropout=1)
+  step = nnx.jit(make_nnx_train_step(dropout_loss, device_type="cpu"))
+  losses = [float(step(model, optimizer, BATCH, rngs)["loss"]) for _ in range(2)]
+  assert losses[0] != losses[1]
 
 
 def test_nnx_step_with_multi_steps_updates_once_per_window():

@@ -9,8 +9,8 @@ so an inner ``autocast(g, dtype=...)`` region keeps its own dtype.
 
 from __future__ import annotations
 
-import collections
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxamp._src import (
+    caches,
     compat,
     higher_order,
     interpreter,
@@ -30,7 +31,9 @@ from jaxamp._src import (
 del library_ops  # imported for its registrations
 
 _TRACE_CACHE_SIZE = 512
-_traces: collections.OrderedDict = collections.OrderedDict()
+# Traces by function and signature. The function, a bound method's instance and static
+# arguments are held weakly: a trace (and the arrays it closes over) goes with them.
+_traces = caches.WeakLRUCache(_TRACE_CACHE_SIZE)
 
 
 def autocast(fun: Callable | None = None, *, device_type: str | None = None, dtype=None,
@@ -50,7 +53,9 @@ def autocast(fun: Callable | None = None, *, device_type: str | None = None, dty
     cache_enabled: cast each value to a dtype at most once per trace (torch's weight cast cache).
 
   Returns:
-    A function with ``fun``'s signature whose outputs have the dtypes the policy produced.
+    A function with ``fun``'s signature whose outputs have the dtypes the policy produced,
+    except state threaded through (an ``eqx.nn.State``, linen collections, Haiku state, nnx
+    Variables), which keeps the dtype it came in with. ``fun`` may be an nnx Module.
   """
   settings = policy.make_policy(device_type, dtype, cache_enabled)
   if not isinstance(enabled, bool):
@@ -64,6 +69,9 @@ def autocast(fun: Callable | None = None, *, device_type: str | None = None, dty
 
 
 def _wrap(fun: Callable, settings: policy.Policy | None) -> Callable:
+  if nnx_modules.is_module(fun):
+    return _wrap_module(fun, settings)
+
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
     with regions.kept_region(regions.AUTOCAST_MARK):
@@ -77,12 +85,32 @@ def _wrap(fun: Callable, settings: policy.Policy | None) -> Callable:
   return autocast_fun
 
 
+def _wrap_module(module: Any, settings: policy.Policy | None) -> Callable:
+  """``autocast(module)``: the module is an argument of ``m(*args)``, not a closed-over value.
+
+  Its state then goes through the trace and back like any module argument's, so a module that
+  updates itself (BatchNorm statistics, RNG counters, a Variable made in ``__call__``) works.
+  """
+  inner = _wrap(nnx_modules.call_module, settings)
+
+  def autocast_module(*args, **kwargs):
+    return inner(module, *args, **kwargs)
+
+  autocast_module.__doc__ = type(module).__call__.__doc__
+  autocast_module.__wrapped__ = module
+  return autocast_module
+
+
 def _is_array(x: Any) -> bool:
   return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
 def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> Any:
-  """Calls ``fun`` on ``args`` and ``kwargs`` with ``settings``' autocast."""
+  """Calls ``fun`` on ``args`` and ``kwargs`` with ``settings``' autocast.
+
+  Outputs leave in the dtype the policy produced, except state threaded through (see
+  ``_state_outputs``), which leaves in its traced dtype.
+  """
   leaves, in_tree = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
   static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_array(leaf))
@@ -90,9 +118,69 @@ def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> A
   in_avals = tuple(compat.typeof(x) for x in arrays)
   closed, (out_tree, static_outs) = _trace(fun, in_tree, tuple(dynamic), static, in_avals)
   ctx = interpreter.Context(settings)
-  outs = iter(interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx))
+  outs = interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx)
+  traced = tuple(leaf is _TRACED for leaf in static_outs)
+  for i, dtype in _state_outputs(in_tree, tuple(dynamic), in_avals, out_tree, traced,
+                                 tuple(closed.out_avals)):
+    if getattr(outs[i], "dtype", None) != dtype:
+      outs[i] = jax.lax.convert_element_type(outs[i], dtype)
+  outs = iter(outs)
   return jax.tree.unflatten(out_tree, [next(outs) if leaf is _TRACED else leaf
                                        for leaf in static_outs])
+
+
+def _subtrees(treedef, offset: int = 0):
+  """``(treedef, first leaf index)`` of ``treedef`` and of every node below it."""
+  yield treedef, offset
+  for child in treedef.children():
+    yield from _subtrees(child, offset)
+    offset += child.num_leaves
+
+
+@functools.lru_cache(maxsize=_TRACE_CACHE_SIZE)
+def _state_outputs(in_tree, dynamic: tuple, in_avals: tuple, out_tree, traced: tuple,
+                   out_avals: tuple) -> tuple[tuple[int, Any], ...]:
+  """``(jaxpr output index, traced dtype)`` of each floating output leaf that is threaded state.
+
+  torch updates state in place (``copy_``), so buffers keep their dtype; in JAX state goes in as
+  an argument and comes back as an output. An output is taken to be such state when it sits in
+  an output container (an ``eqx.nn.State``, Haiku state or linen collection dict, an
+  ``nnx.State`` or Variable) that has exactly the pytree structure of a container inside one of
+  the arguments, leaf shapes included: the ``state`` of ``(out, state)`` from
+  ``model(x, state)``, the ``batch_stats`` of ``apply(variables, ..., mutable=...)``. Such
+  leaves get the dtype the function gives them without autocast, so the next call (or a float32
+  one) sees the state it expects. Bare arrays and plain tuples and lists (how functions return
+  several results, an LSTM its carry) never count: activations, logits and losses keep the dtype
+  the policy produced, as torch's outputs do.
+  """
+  in_pos = {leaf: k for k, leaf in enumerate(dynamic)}
+  out_pos = list(itertools.accumulate(traced, initial=0))
+  arguments = [arg for group in in_tree.children() for arg in group.children()]
+  containers: dict[Any, list[int]] = {}
+  offset = 0
+  for arg in arguments:
+    for node, start in _subtrees(arg, offset):
+      if node.num_leaves and _is_state_container(node):
+        containers.setdefault(node, []).append(start)
+    offset += arg.num_leaves
+  found = {}
+  for node, start in _subtrees(out_tree):
+    for in_start in containers.get(node, ()):
+      pairs = [(start + j, in_start + j) for j in range(node.num_leaves)]
+      if all(traced[o] and i in in_pos
+             and out_avals[out_pos[o]].shape == in_avals[in_pos[i]].shape for o, i in pairs):
+        found.update((out_pos[o], out_avals[out_pos[o]].dtype) for o, _ in pairs)
+        break
+  return tuple((k, dtype) for k, dtype in sorted(found.items()) if dtype in _FLOATS)
+
+
+def _is_state_container(treedef) -> bool:
+  """Whether a pytree node can hold state: any container but a plain tuple or list."""
+  data = treedef.node_data()
+  return data is not None and data[0] not in (tuple, list)
+
+
+_FLOATS = frozenset(np.dtype(t) for t in ("float32", "float16", jax.numpy.bfloat16))
 
 
 _TRACED = object()  # marks the outputs that come from the jaxpr
@@ -101,13 +189,15 @@ _TRACED = object()  # marks the outputs that come from the jaxpr
 def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
   """``fun``'s jaxpr for this signature: traced once, reused while nothing it closes over traces."""
   try:
-    key = (fun, in_tree, dynamic, static, in_avals)
+    key = (caches.key_part(fun), in_tree, dynamic,
+           tuple((i, caches.key_part(leaf)) for i, leaf in static), in_avals)
     hash(key)
   except TypeError:
-    key = None  # unhashable static arguments: trace every call
-  if key is not None and key in _traces:
-    _traces.move_to_end(key)
-    return _traces[key]
+    key = None  # an unhashable function or static argument: trace every call
+  if key is not None:
+    hit = _traces.get(key)
+    if hit is not None:
+      return hit
   out_tree_box = []
 
   def flat_fun(*arrays):
@@ -129,9 +219,7 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
   closed = compat.trace(flat_fun, in_avals)
   result = (closed, out_tree_box[0])
   if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
-    _traces[key] = result
-    if len(_traces) > _TRACE_CACHE_SIZE:
-      _traces.popitem(last=False)
+    _traces.put(key, result)
   return result
 
 

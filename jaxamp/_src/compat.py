@@ -14,11 +14,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import api_util as _api_util
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.state import types as _state_types
 from jax.extend import core as jex_core
 
 ClosedJaxpr = jex_core.ClosedJaxpr
@@ -41,6 +43,7 @@ REQUIRED_INTERNALS = {
         lambda: _pe.trace_to_jaxpr_dynamic,
     "jax._src.interpreters.partial_eval.convert_constvars_jaxpr":
         lambda: _pe.convert_constvars_jaxpr,
+    "jax._src.state.types.AbstractRef": lambda: _state_types.AbstractRef,
 }
 
 
@@ -66,6 +69,16 @@ def traceback_frames(eqn) -> tuple[tuple[str, str, int], ...]:
   if traceback is None:
     return ()
   return tuple((f.file_name, f.function_name, f.line_num) for f in traceback.frames)
+
+
+def traceback_code_frames(eqn) -> tuple[tuple[Any, int], ...]:
+  """(code object, bytecode offset) of the Python frames an eqn was traced from, innermost
+  first. Offsets grow as a function runs on, also within one multi-line statement."""
+  traceback = eqn.source_info.traceback
+  if traceback is None:
+    return ()
+  codes, offsets = traceback.raw_frames()
+  return tuple(zip(codes, offsets, strict=True))
 
 
 def traceback_of(eqn):
@@ -100,15 +113,43 @@ def open_jaxpr(closed: ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:
 
 
 def is_typed_param(value) -> bool:
-  """Whether an eqn parameter fixes types: a jaxpr, a callable or an abstract value."""
+  """Whether an eqn parameter fixes types: a jaxpr, a callable or an abstract value (a scalar
+  type such as ``jnp.float32``, callable but a dtype, is not one)."""
+  if isinstance(value, type) and issubclass(value, np.generic) \
+      or isinstance(getattr(value, "dtype", None), np.dtype) and not hasattr(value, "shape"):
+    return False
   return isinstance(value, Jaxpr | ClosedJaxpr | _core.AbstractValue | jax.ShapeDtypeStruct) \
       or callable(value)
+
+
+def sub_jaxpr_inputs(eqn) -> list[tuple[Jaxpr, list]] | None:
+  """The open sub-jaxprs of a higher-order eqn, each with the eqn inputs its invars receive;
+  None for an eqn with no sub-jaxprs, or with ones whose inputs are not known here."""
+  params, invars = eqn.params, list(eqn.invars)
+  name = eqn.primitive.name
+  if name == "while":
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    carry = invars[n_cond + n_body:]
+    return [(params["cond_jaxpr"].jaxpr, invars[:n_cond] + carry),
+            (params["body_jaxpr"].jaxpr, invars[n_cond:n_cond + n_body] + carry)]
+  if name == "cond":
+    return [(branch.jaxpr, invars[1:]) for branch in params["branches"]]
+  bodies = [value for value in params.values() if isinstance(value, Jaxpr | ClosedJaxpr)]
+  if len(bodies) != 1:
+    return None
+  body = bodies[0].jaxpr if isinstance(bodies[0], ClosedJaxpr) else bodies[0]
+  return [(body, invars)] if len(body.invars) == len(invars) else None
 
 
 def shard_map_axis_names(params: dict[str, Any]) -> set:
   """The mesh axes a ``shard_map`` eqn makes manual (``newly_manual_axes`` from jax 0.10.1)."""
   names = params.get("newly_manual_axes", params.get("manual_axes"))
   return set(names)
+
+
+def is_ref(value) -> bool:
+  """Whether ``value`` is a mutable array reference (``jax.new_ref``), whose dtype is fixed."""
+  return isinstance(typeof(value), _state_types.AbstractRef)
 
 
 def aval_with_dtype(aval, dtype):

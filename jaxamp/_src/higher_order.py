@@ -10,7 +10,6 @@ cotangents a custom_vjp's backward returns come back in its inputs' dtypes.
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._src import compat
+from jaxamp._src import caches, compat
 from jaxamp._src.interpreter import (
     Context,
     Env,
@@ -29,7 +28,8 @@ from jaxamp._src.interpreter import (
 )
 
 _CACHE_SIZE = 1024
-_rewrites: collections.OrderedDict = collections.OrderedDict()
+# Rewritten bodies, held while their source jaxpr lives (it is in the key weakly).
+_rewrites = caches.WeakLRUCache(_CACHE_SIZE)
 
 
 def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
@@ -57,6 +57,11 @@ def _weak_inputs(eqn, env: Env) -> list[bool]:
   return [not compat.is_literal(a) and a in env.weak for a in eqn.invars]
 
 
+def _computed_inputs(env: Env, atoms) -> tuple[bool, ...]:
+  """Which of ``atoms`` are activations computed outside the body (``Env.is_computed``)."""
+  return tuple(env.is_computed(a) for a in atoms)
+
+
 def _cast_value(value, dtype):
   if dtype is None or compat.typeof(value).dtype == dtype:
     return value
@@ -65,7 +70,7 @@ def _cast_value(value, dtype):
 
 def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
             out_dtypes: tuple | None = None, hoist: int = 0,
-            path: str = "") -> tuple[compat.ClosedJaxpr, tuple]:
+            path: str = "", computed: tuple[bool, ...] = ()) -> tuple[compat.ClosedJaxpr, tuple]:
   """``jaxpr`` rewritten for ``in_avals`` under ``ctx``, and the casts hoisted out of it.
 
   Args:
@@ -75,17 +80,20 @@ def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
     hoist: the leading ``hoist`` invars are loop invariants: casts of them are returned as
       ``((invar index, dtype), ...)`` and taken as extra leading inputs of the result (placed
       after the ``hoist`` invariants), to be computed once outside the loop.
+    computed: which invars are activations computed outside (``evaluate``'s argument).
   """
-  key = (id(jaxpr), in_avals, ctx, out_dtypes, hoist)
+  # Consts by id: a cached rewrite holds the consts it uses, so their ids stay theirs meanwhile.
+  key = (caches.key_part(jaxpr, by_identity=True), tuple(map(id, consts)), in_avals, ctx,
+         out_dtypes, hoist, computed)
   recording = current_recorder() is not None
   hit = None if recording else _rewrites.get(key)
-  if hit is not None and hit[0] is jaxpr:
-    _rewrites.move_to_end(key)
-    return hit[1], hit[2]
+  if hit is not None:
+    return hit
   hoisted: tuple = ()
   if hoist:
     env = Env(ctx, hoistable=frozenset(jaxpr.invars[:hoist]))
-    compat.trace(lambda *args: _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env=env),
+    compat.trace(lambda *args: _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env=env,
+                                              computed=computed),
                  in_avals)
     hoisted = tuple((jaxpr.invars.index(var), dtype) for var, dtype in env.hoisted)
   extra_avals = tuple(compat.aval_with_dtype(in_avals[i], dtype) for i, dtype in hoisted)
@@ -96,19 +104,19 @@ def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
     precast = {(jaxpr.invars[i], dtype): extra
                for (i, dtype), extra in zip(hoisted, extras, strict=True)}
     return _evaluate_body(jaxpr, consts, (*invariants, *rest), ctx, out_dtypes, precast=precast,
-                          path=path)
+                          path=path, computed=computed)
 
   closed = compat.trace(body, (*in_avals[:hoist], *extra_avals, *in_avals[hoist:]))
   if recording:
     return closed, hoisted
-  _rewrites[key] = (jaxpr, closed, hoisted)
-  if len(_rewrites) > _CACHE_SIZE:
-    _rewrites.popitem(last=False)
+  _rewrites.put(key, (closed, hoisted))
   return closed, hoisted
 
 
-def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, precast=None, env=None, path=""):
-  outs = evaluate(jaxpr, consts, args, ctx, precast=precast, env=env, path=path)
+def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, precast=None, env=None, path="",
+                   computed=()):
+  outs = evaluate(jaxpr, consts, args, ctx, precast=precast, env=env, path=path,
+                  computed=computed)
   if out_dtypes is None:
     return outs
   return [_cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
@@ -137,7 +145,8 @@ def _restore(env: Env, atoms, values: list) -> list:
 def _jit_rule(eqn, invals, env, ctx):
   closed = eqn.params["jaxpr"]
   avals = body_avals(closed.jaxpr.invars, invals, _weak_inputs(eqn, env))
-  new, _ = rewrite(closed.jaxpr, closed.consts, avals, ctx, path=_path(env, eqn))
+  new, _ = rewrite(closed.jaxpr, closed.consts, avals, ctx, path=_path(env, eqn),
+                   computed=_computed_inputs(env, eqn.invars))
   return env.bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 
@@ -145,14 +154,15 @@ def _jit_rule(eqn, invals, env, ctx):
 def _closed_call_rule(eqn, invals, env, ctx):
   closed = eqn.params["call_jaxpr"]
   new, _ = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals), ctx,
-                   path=_path(env, eqn))
+                   path=_path(env, eqn), computed=_computed_inputs(env, eqn.invars))
   return env.bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
 
 
 @register_higher_order("checkpoint", "remat", "remat2")
 def _remat_rule(eqn, invals, env, ctx):
   jaxpr = eqn.params["jaxpr"]
-  new, _ = rewrite(jaxpr, (), body_avals(jaxpr.invars, invals), ctx, path=_path(env, eqn))
+  new, _ = rewrite(jaxpr, (), body_avals(jaxpr.invars, invals), ctx, path=_path(env, eqn),
+                   computed=_computed_inputs(env, eqn.invars))
   body, consts = compat.open_jaxpr(new)
   prevent_cse = eqn.params["prevent_cse"]
   if isinstance(prevent_cse, tuple):
@@ -171,8 +181,11 @@ def _scan_rule(eqn, invals, env, ctx):
             *invals[n_consts + n_carry:]]
   out_dtypes = _declared(closed.jaxpr.outvars[:n_carry]) + \
       (None,) * (len(closed.jaxpr.outvars) - n_carry)
+  computed = list(_computed_inputs(env, eqn.invars))
+  computed[n_consts:n_consts + n_carry] = [True] * n_carry  # carries are computed by the body
   new, hoisted = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals),
-                         ctx, out_dtypes, hoist=n_consts, path=_path(env, eqn))
+                         ctx, out_dtypes, hoist=n_consts, path=_path(env, eqn),
+                         computed=tuple(computed))
   extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
   params = dict(p, jaxpr=new, num_consts=n_consts + len(extras))
   if "linear" in p:  # older JAX versions
@@ -192,10 +205,11 @@ def _while_rule(eqn, invals, env, ctx):
   new_cond, _ = rewrite(cond.jaxpr, cond.consts,
                         body_avals(cond.jaxpr.invars, [*cond_consts, *carry]), ctx,
                         _declared(cond.jaxpr.outvars), path=_path(env, eqn, "cond"))
+  computed = _computed_inputs(env, eqn.invars[n_cond:n_cond + n_body]) + (True,) * len(carry)
   new_body, hoisted = rewrite(body.jaxpr, body.consts,
                               body_avals(body.jaxpr.invars, [*body_consts, *carry]), ctx,
                               _declared(body.jaxpr.outvars), hoist=n_body,
-                              path=_path(env, eqn, "body"))
+                              path=_path(env, eqn, "body"), computed=computed)
   extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
   params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body,
                 body_nconsts=n_body + len(extras))
@@ -207,8 +221,9 @@ def _cond_rule(eqn, invals, env, ctx):
   branches = eqn.params["branches"]
   operands = invals[1:]
   out_dtypes = _declared(branches[0].jaxpr.outvars)
+  computed = _computed_inputs(env, eqn.invars[1:])
   new = tuple(rewrite(b.jaxpr, b.consts, body_avals(b.jaxpr.invars, operands), ctx,
-                      out_dtypes, path=_path(env, eqn, f"branch{i}"))[0]
+                      out_dtypes, path=_path(env, eqn, f"branch{i}"), computed=computed)[0]
               for i, b in enumerate(branches))
   return env.bind(eqn, invals, dict(eqn.params, branches=new))
 
@@ -267,7 +282,7 @@ def _autocast_primal(eqn, invals, env, ctx) -> tuple[compat.ClosedJaxpr, list]:
   """A custom-derivative call's primal body, autocast, and the dtypes of its outputs now."""
   call = eqn.params["call_jaxpr"]
   body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx,
-                    path=_path(env, eqn))
+                    path=_path(env, eqn), computed=_computed_inputs(env, eqn.invars))
   return body, [aval.dtype for aval in body.out_avals]
 
 

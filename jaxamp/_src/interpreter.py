@@ -20,6 +20,7 @@ keeps the 16-bit input rather than float32 intermediates (``RECOMPUTED_OPS``).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -29,7 +30,8 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import compat, regions
-from jaxamp._src.policy import ELIGIBLE_DTYPES, Category, Policy
+from jaxamp._src.policy import ELIGIBLE_DTYPES, LOW_DTYPES, Category, Policy
+from jaxamp._src.tables import shared
 
 
 class Context(NamedTuple):
@@ -72,9 +74,17 @@ _COMBINER_PARAM = {"scatter-add": "update_jaxpr", "scatter_add": "update_jaxpr",
                    "scatter-max": "update_jaxpr", "scatter_max": "update_jaxpr",
                    "scatter": "update_jaxpr"}
 
-_LOWER_PRIMITIVES = ("dot_general", "conv_general_dilated")
+_LOWER_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 _FLOAT32_OPS = (Category.FLOAT32, Category.FLOAT32_INSIDE)
-_BROADCASTS = ("broadcast_in_dim", "reshape", "expand_dims", "squeeze")
+# Primitives that move or copy a value without computing: what comes out has the provenance of
+# what went in (a parameter stays a parameter, a dot's output stays a dot's output).
+_LAYOUT = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "transpose", "copy",
+                     "copy_p"})
+# Primitives JAX has no float16/bfloat16 kernels for: float32 inside any op region too.
+NO_16_BIT_KERNELS = frozenset(shared.LINALG_PRIMITIVES)
+# Ops whose outputs include state shaped like a non-main input (BatchNorm's running statistics):
+# those outputs keep float32 when they leave the op.
+STATEFUL_OPS = frozenset({"batch_norm"})
 
 
 def _variant(eqn) -> str | None:
@@ -84,6 +94,8 @@ def _variant(eqn) -> str | None:
     numerator = eqn.invars[0]
     if not numerator.aval.shape and (compat.is_literal(numerator) or numerator.aval.weak_type):
       return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
+  if name == "dot_general" and all(atom.aval.ndim == 1 for atom in eqn.invars):
+    return "vector"  # vector . vector: torch's dot / vdot, not mm
   if name in ("reduce_window_sum", "reduce_window_max") and eqn.invars[0].aval.ndim == 5:
     return "3d"  # (N, D, H, W, C) pooling: torch's avg_pool3d / max_pool3d
   return None
@@ -111,12 +123,37 @@ def is_weak(atom, value=None, env=None) -> bool:
     return True
   if env is None:
     return False
-  source = env.broadcast_source.get(atom)
+  source = env.layout_source.get(atom)
   return atom in env.weak or source is not None and not source.aval.shape
 
 
 def _is_eligible(dtype) -> bool:
   return dtype in ELIGIBLE_DTYPES
+
+
+def saturating_constant(value, dtype: np.dtype) -> np.ndarray:
+  """A constant in ``dtype``, finite values clipped to its range (infinities and NaN kept).
+
+  torch takes ``finfo(x.dtype).min`` of the run-time dtype for masks; a ``finfo(float32).min``
+  taken at trace time and moved into float16 must not become ``-inf``.
+  """
+  value = np.asarray(value)
+  if jnp.dtype(dtype) in LOW_DTYPES and jnp.issubdtype(value.dtype, jnp.floating):
+    info = jnp.finfo(dtype)
+    value = np.where(np.isfinite(value), np.clip(value, float(info.min), float(info.max)), value)
+  return np.asarray(value, dtype)
+
+
+def saturating_convert(value, dtype: np.dtype) -> Any:
+  """``value`` converted to ``dtype``, finite values clipped to its range as constants are."""
+  source = compat.typeof(value).dtype
+  if jnp.dtype(dtype) not in LOW_DTYPES or jnp.finfo(source).max <= jnp.finfo(dtype).max:
+    return lax.convert_element_type(value, dtype)
+  if not isinstance(value, jax.core.Tracer):  # known now: clipped here, nothing traced
+    return saturating_constant(value, dtype)
+  info = jnp.finfo(dtype)
+  clipped = lax.clamp(np.asarray(info.min, source), value, np.asarray(info.max, source))
+  return lax.convert_element_type(jnp.where(jnp.isinf(value), value, clipped), dtype)
 
 
 def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
@@ -137,14 +174,15 @@ class Env:
     self.converts = 0  # converts emitted so far
     self.rule = ""  # the rule the current eqn ran under, for ``explain``
     self.ran_on: list | None = None  # the values the current eqn's primitive was bound on
-    self.op_run: tuple[str | None, str | None] = (None, None)  # (op, instance) of the last eqn
     self.op_runs = 0  # op instances opened so far
     self.exits: dict[str, tuple[Any, frozenset]] = {}  # FLOAT32_INSIDE op -> main input, shapes
     self.values: dict[Any, Any] = {}
     self.region: dict[Any, str | None] = {}
     self.casts: dict[tuple[Any, np.dtype], Any] = dict(precast or {})
-    self.lowered: set[Any] = set()  # outputs of low-precision dots/convs
-    self.broadcast_source: dict[Any, Any] = {}  # var -> the var it was broadcast from
+    self.lowered: set[Any] = set()  # outputs of low-precision dots/convs (and their layouts)
+    self.layout_source: dict[Any, Any] = {}  # var -> the var it is a layout change or cast of
+    self.computed: set[Any] = set()  # vars computed from others (not parameters or constants)
+    self.activations: set[Any] = set()  # uncomputed vars read by computations other than adds
     self.hoistable = hoistable  # loop-invariant invars whose casts may move out of the loop
     self.weak: set[Any] = set()  # vars holding a converted Python scalar: they follow others
     self.fills: dict[Any, Any] = {}  # var -> the broadcast_in_dim of a literal that made it
@@ -165,7 +203,7 @@ class Env:
     if self.dtype(atom) == dtype:
       return value
     if compat.is_literal(atom):
-      return np.asarray(atom.val, dtype)
+      return saturating_constant(atom.val, dtype)
     key = (atom, dtype)
     if key in self.casts:
       return self.casts[key]
@@ -173,16 +211,29 @@ class Env:
       self.hoisted.append(key)
     if atom in self.fills:  # fill in the target dtype: no convert, no float32 copy kept
       fill = self.fills[atom]
-      converted = compat.bind(fill, [np.asarray(fill.invars[0].val, dtype)])[0]
+      converted = compat.bind(fill, [saturating_constant(fill.invars[0].val, dtype)])[0]
     else:
-      converted = self.convert(value, dtype)
+      converted = self.convert(value, dtype, saturate=is_weak(atom, value, self))
     if self.ctx.policy.cache_enabled:
       self.casts[key] = converted
     return converted
 
-  def convert(self, value, dtype: np.dtype) -> Any:
+  def convert(self, value, dtype: np.dtype, saturate: bool = False) -> Any:
+    """``value`` in ``dtype``; a constant (``saturate``) keeps finite values finite."""
     self.converts += 1
+    if saturate:
+      return saturating_convert(value, dtype)
     return lax.convert_element_type(value, dtype)
+
+  def is_parameter(self, atom) -> bool:
+    """Whether ``atom`` is (a layout change of) a parameter or constant: read, not computed,
+    and read by nothing but adds here, as a bias is."""
+    root = self.layout_source.get(atom, atom)
+    return root not in self.computed and root not in self.activations
+
+  def is_computed(self, atom) -> bool:
+    """Whether ``atom`` was computed from other values (an activation), not passed in."""
+    return not compat.is_literal(atom) and self.layout_source.get(atom, atom) in self.computed
 
   def bind(self, eqn, invals: list, params: dict | None = None) -> list[Any]:
     self.ran_on = invals
@@ -204,8 +255,13 @@ def set_recorder(recorder) -> Any:
 
 def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
              hoistable: frozenset = frozenset(), precast: dict | None = None,
-             env: Env | None = None, path: str = "") -> list[Any]:
-  """Evaluates ``jaxpr`` on ``args`` in the current trace, casting as ``ctx``'s policy says."""
+             env: Env | None = None, path: str = "",
+             computed: Sequence[bool] = ()) -> list[Any]:
+  """Evaluates ``jaxpr`` on ``args`` in the current trace, casting as ``ctx``'s policy says.
+
+  ``computed`` flags the invars that are activations computed outside (the others, like the
+  constvars, are parameters or constants, unless the jaxpr itself reads them as activations).
+  """
   env = env if env is not None else Env(ctx, hoistable, precast, path)
   inherited = ctx.op.instance if ctx.op is not None else None
   for var, value in zip(jaxpr.constvars, consts, strict=True):
@@ -214,10 +270,13 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
   for var, value in zip(jaxpr.invars, args, strict=True):
     env.values[var] = value
     env.region[var] = inherited
+  env.computed.update(var for var, flag in zip(jaxpr.invars, computed, strict=False) if flag)
+  env.activations.update(_activation_reads(jaxpr))
   last_read = _last_reads(jaxpr)
   last_use = _dying_at(last_read, len(jaxpr.eqns))
   marks = [regions.marks_of(eqn) for eqn in jaxpr.eqns]
-  runs = {} if env.in_checkpointed_op else _recomputed_runs(marks, ctx)
+  calls = _op_calls(jaxpr.eqns, marks, ctx, env)
+  runs = {} if env.in_checkpointed_op else _recomputed_runs(calls, ctx)
   index = 0
   while index < len(jaxpr.eqns):
     segment = _segment(jaxpr.eqns, index, runs[index], last_read) if index in runs else None
@@ -227,10 +286,10 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
       for var, value in zip(segment.outvars, outs, strict=True):
         env.values[var] = value
         env.region[var] = None
-      env.op_run = (None, None)
+      env.computed.update(segment.outvars)
     else:
       stop = index + 1
-      _eval_one(jaxpr.eqns[index], marks[index], env, ctx)
+      _eval_one(jaxpr.eqns[index], marks[index], calls[index], env, ctx)
     for dead in range(index, stop):
       for var in last_use.get(dead, ()):
         env.values.pop(var, None)  # dead: let eager evaluation free it, as eval_jaxpr does
@@ -241,21 +300,128 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context,
   return [env.read(v) for v in jaxpr.outvars]
 
 
-def _eval_one(eqn, marks: regions.Marks, env: Env, ctx: Context) -> None:
+class OpCall(NamedTuple):
+  """One call of an op region: the region, the instance telling calls apart, its category."""
+
+  region: regions.OpRegion
+  instance: str
+  category: Category
+
+
+def _op_calls(eqns, marks: Sequence[regions.Marks], ctx: Context,
+              env: Env) -> list[OpCall | None]:
+  """The op call each eqn belongs to: the outermost op region the policy gives a category.
+
+  An op the table does not list is a plain composition (torch decomposes it into listed ops):
+  the search goes on inward, and without any listed op the eqn follows its primitive's rule.
+  Consecutive eqns of one call site form one call until an eqn that reads nothing the call
+  computed comes at a position inside the op that does not move on (the next call from the same
+  site: a loop, a linen module's wrapper); any other eqn in between ends the call.
+  """
+  if ctx.op is not None:
+    inside = OpCall(ctx.op, ctx.op.instance, _op_category(ctx.op, ctx.policy))
+    return [inside] * len(marks)
+  calls: list[OpCall | None] = []
+  site, position, produced = None, None, set()  # of the current call
+  for eqn, eqn_marks in zip(eqns, marks, strict=True):
+    call = None
+    for op, at in zip(eqn_marks.ops, eqn_marks.positions, strict=True):
+      category = None if eqn_marks.kept else _op_category(op, ctx.policy)
+      if category is None:
+        continue
+      moves_on = at is None or position is None or at > position
+      if site == op.instance and (moves_on or _reads_any(eqn, produced)):
+        call = calls[-1]
+      else:
+        env.op_runs += 1
+        call = OpCall(op, f"{op.instance}#{env.op_runs}", category)
+        produced = set()
+      site, position = op.instance, at
+      produced.update(eqn.outvars)
+      break
+    if call is None:
+      site = None
+    calls.append(call)
+  return calls
+
+
+def _reads_any(eqn, values: set) -> bool:
+  return any(not compat.is_literal(a) and a in values for a in eqn.invars)
+
+
+def _activation_reads(jaxpr) -> set[Any]:
+  """The values (through layout changes) that eqns other than adds read: activations, which
+  a bias never is (``x + W @ x`` is a residual, ``W @ x + b`` a bias add). A value passed into
+  a sub-jaxpr (a layer's jit or remat, a scan over layers) counts as its body reads it."""
+  roots: dict[Any, Any] = {}
+  read = set()
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in _LAYOUT or name == "convert_element_type":
+      if not compat.is_literal(eqn.invars[0]):
+        roots[eqn.outvars[0]] = roots.get(eqn.invars[0], eqn.invars[0])
+      continue
+    if name == "add":
+      continue
+    for atom in _activation_inputs(eqn):
+      if not compat.is_literal(atom):
+        read.add(roots.get(atom, atom))
+  return read
+
+
+def _activation_inputs(eqn) -> list:
+  """The inputs ``eqn`` reads as activations: all of them, but for the sub-jaxprs that
+  ``compat.sub_jaxpr_inputs`` can match to the eqn's inputs, those their bodies read so."""
+  bodies = compat.sub_jaxpr_inputs(eqn)
+  if bodies is None:
+    return list(eqn.invars)
+  inputs = []
+  for body, atoms in bodies:
+    read = _body_activations(body)
+    inputs.extend(atom for atom, var in zip(atoms, body.invars, strict=True) if var in read)
+  return inputs
+
+
+_body_reads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _body_activations(jaxpr) -> set[Any]:
+  """``_activation_reads`` of a sub-jaxpr, computed once per jaxpr object."""
+  read = _body_reads.get(jaxpr)
+  if read is None:
+    read = _body_reads[jaxpr] = _activation_reads(jaxpr)
+  return read
+
+
+def _eval_one(eqn, marks: regions.Marks, call: OpCall | None, env: Env, ctx: Context) -> None:
   with compat.traceback_of(eqn):  # the casts an eqn needs point at its source line
     if env.recorder is not None:
-      outs, region = _eval_recorded(eqn, marks, env, ctx)
+      outs, region = _eval_recorded(eqn, marks, call, env, ctx)
     else:
-      outs, region = _eval_eqn(eqn, marks, env, ctx)
+      outs, region = _eval_eqn(eqn, marks, call, env, ctx)
   for var, value in zip(eqn.outvars, outs, strict=True):
     env.values[var] = value
     env.region[var] = region
+  _note_provenance(eqn, env)
 
 
-def _eval_recorded(eqn, marks: regions.Marks, env: Env,
+def _note_provenance(eqn, env: Env) -> None:
+  """Layout changes and casts keep their input's provenance; everything else is computed."""
+  name = eqn.primitive.name
+  if name in _LAYOUT or name == "convert_element_type":
+    source = eqn.invars[0]
+    if not compat.is_literal(source):
+      env.layout_source[eqn.outvars[0]] = env.layout_source.get(source, source)
+      if name in _LAYOUT and source in env.lowered:
+        env.lowered.add(eqn.outvars[0])
+    return
+  env.computed.update(eqn.outvars)
+
+
+def _eval_recorded(eqn, marks: regions.Marks, call: OpCall | None, env: Env,
                    ctx: Context) -> tuple[list[Any], str | None]:
   env.rule, env.ran_on, converts = "", None, env.converts
-  outs, region = _eval_eqn(eqn, marks, env, ctx)
+  outs, region = _eval_eqn(eqn, marks, call, env, ctx)
   ran_on = env.ran_on if env.ran_on is not None else [env.read(a) for a in eqn.invars]
   env.recorder(env.path, eqn, env.rule, ran_on, outs, env.converts - converts, ctx.policy)
   return outs, region
@@ -303,36 +469,23 @@ class Segment(NamedTuple):
   outvars: list
 
 
-def _recomputed_runs(marks: Sequence[regions.Marks], ctx: Context) -> dict[int, int]:
-  """Start -> stop of each run of consecutive eqns forming one instance of a recomputed op."""
+def _recomputed_runs(calls: Sequence[OpCall | None], ctx: Context) -> dict[int, int]:
+  """Start -> stop of each run of consecutive eqns forming one call of a recomputed op."""
   if ctx.op is not None:
     return {}
   runs: dict[int, int] = {}
   start, current = 0, None
-  for index, eqn_marks in enumerate(marks):
-    instance = _recomputed_instance(eqn_marks, ctx.policy)
+  for index, call in enumerate(calls):
+    recomputed = call is not None and call.category is Category.FLOAT32_INSIDE \
+        and call.region.name in RECOMPUTED_OPS
+    instance = call.instance if recomputed else None
     if instance != current:
       if current is not None:
         runs[start] = index
       start, current = index, instance
   if current is not None:
-    runs[start] = len(marks)
+    runs[start] = len(calls)
   return runs
-
-
-def _recomputed_instance(marks: regions.Marks, policy: Policy) -> str | None:
-  """The instance of the RECOMPUTED_OPS op (FLOAT32_INSIDE) an eqn with these marks is in, if any.
-
-  The op is found as ``_enclosing_op`` finds it: the outermost one the policy gives a category.
-  """
-  if marks.kept:
-    return None
-  for op in marks.ops:
-    category = _op_category(op, policy)
-    if category is not None:
-      recomputed = category is Category.FLOAT32_INSIDE and op.name in RECOMPUTED_OPS
-      return op.instance if recomputed else None
-  return None
 
 
 def _segment(eqns, start: int, stop: int, last_read: dict[Any, int]) -> Segment | None:
@@ -372,55 +525,34 @@ def _eval_recomputed(segment: Segment, env: Env, ctx: Context) -> list[Any]:
         inner.weak.add(atom)
       if atom in env.fills:
         inner.fills[atom] = env.fills[atom]
-      if atom in env.broadcast_source:
-        inner.broadcast_source[atom] = env.broadcast_source[atom]
-    return evaluate(segment, (), values, ctx, env=inner)
+      if atom in env.layout_source:
+        inner.layout_source[atom] = env.layout_source[atom]
+    computed = [env.is_computed(atom) for atom in segment.invars]
+    return evaluate(segment, (), values, ctx, env=inner, computed=computed)
 
   return jax.checkpoint(op)(*[env.read(atom) for atom in segment.invars])
 
 
-def _eval_eqn(eqn, marks: regions.Marks, env: Env, ctx: Context) -> tuple[list[Any], str | None]:
+def _eval_eqn(eqn, marks: regions.Marks, call: OpCall | None, env: Env,
+              ctx: Context) -> tuple[list[Any], str | None]:
   if marks.kept:
     env.rule = "kept"
-    env.op_run = (None, None)
     _leave_ops(env, eqn.invars, None)
     return _bind_traced_dtypes(eqn, env), None
-  op, instance, category = _enclosing_op(marks, ctx, env)
+  instance = call.instance if call is not None else None
   _leave_ops(env, eqn.invars, instance)
-  if op is not None:
-    env.rule = f"op {op.name}: {category.value}"
-    return _eval_in_op(eqn, env, ctx, op, instance, category), instance
+  if call is not None:
+    env.rule = f"op {call.region.name}: {call.category.value}"
+    return _eval_in_op(eqn, env, ctx, call), instance
   return _eval_by_primitive(eqn, env, ctx), None
 
 
-def _enclosing_op(marks: regions.Marks, ctx: Context, env: Env):
-  """The outermost op region around the eqn that the policy gives a category, and that category.
-
-  An op the table does not list is a plain composition (torch decomposes it into listed ops):
-  the search goes on inward, and without any listed op the eqn follows its primitive's rule.
-  Consecutive eqns of one op form one instance of it (the value-tracking key returned with
-  it); any other eqn in between ends it.
-  """
-  if ctx.op is not None:
-    return ctx.op, ctx.op.instance, _op_category(ctx.op, ctx.policy)
-  for op in marks.ops:
-    category = _op_category(op, ctx.policy)
-    if category is not None:
-      previous_op, instance = env.op_run
-      if previous_op != op.instance:
-        env.op_runs += 1
-        instance = f"{op.instance}#{env.op_runs}"
-      env.op_run = (op.instance, instance)
-      return op, instance, category
-  env.op_run = (None, None)
-  return None, None, None
-
-
 def _leave_ops(env: Env, atoms, instance: str | None) -> None:
-  """Values leaving a FLOAT32_INSIDE op get its main input's dtype back, as torch's kernels do.
+  """float32 values leaving a FLOAT32_INSIDE op get its main input's dtype back, as torch's
+  kernels return it; values in another dtype were chosen explicitly (``dtype=``) and keep it.
 
-  Values shaped like another input of the op are its state, not its result, and stay float32:
-  BatchNorm's running mean and variance are shaped like its scale and bias.
+  A stateful op's (``STATEFUL_OPS``) outputs shaped like another of its inputs are its state, not
+  its result, and stay float32: BatchNorm's running mean and variance, shaped like its scale.
   """
   for atom in atoms:
     if compat.is_literal(atom):
@@ -430,7 +562,7 @@ def _leave_ops(env: Env, atoms, instance: str | None) -> None:
       continue
     main, state_shapes = env.exits[region]
     shape = atom.aval.shape
-    if atom in env.values and _is_eligible(env.dtype(atom)) \
+    if atom in env.values and env.dtype(atom) == jnp.float32 \
         and (shape == main.shape or shape not in state_shapes):
       env.values[atom] = env.cast(atom, main.dtype)
       env.region[atom] = None
@@ -452,9 +584,9 @@ def _is_float(atom) -> bool:
   return _is_eligible(atom.aval.dtype)
 
 
-def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion, instance: str,
-                category: Category) -> list[Any]:
+def _eval_in_op(eqn, env: Env, ctx: Context, call: OpCall) -> list[Any]:
   """Values entering the op are cast by its category; inside, everything runs natively."""
+  op, instance, category = call
   if category is Category.FORBIDDEN:
     raise RuntimeError(
         f"`{op.name}` is unsafe to autocast under the {ctx.policy.device_type!r} policy, as in "
@@ -465,10 +597,12 @@ def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion, instance: str
     )
   entering = [not compat.is_literal(a) and env.region.get(a) != instance for a in eqn.invars]
   if category is Category.FLOAT32_INSIDE:
-    _note_main_input(env, instance, eqn.invars, entering)
+    _note_main_input(env, instance, eqn.invars, entering, op.name in STATEFUL_OPS)
   name = eqn.primitive.name
   if name == "convert_element_type" and category in _FLOAT32_OPS and op.cast_to is None \
       and _is_eligible(eqn.params["new_dtype"]):
+    if _is_explicit_dtype(eqn, env, instance):
+      return [env.cast(eqn.invars[0], eqn.params["new_dtype"])]
     # The library's own casts (jnp.sum's upcast-then-restore, an identity matrix made in the
     # input's dtype) stay in float32 inside a float32 op.
     return [env.cast(eqn.invars[0], jnp.dtype(jnp.float32))]
@@ -476,12 +610,26 @@ def _eval_in_op(eqn, env: Env, ctx: Context, op: regions.OpRegion, instance: str
     return _bind_traced_dtypes(eqn, env)
   if category is Category.LOWER and name in _LOWER_PRIMITIVES:
     entering = None  # a low-precision op's own products run low too, not only what enters
+  if op.cast_to is None and primitive_category(eqn, ctx.policy) is Category.FLOAT32 \
+      and name in NO_16_BIT_KERNELS:
+    category, entering = Category.FLOAT32, None  # svd inside jnp.linalg.norm: no 16-bit kernel
   invals = _cast_for(category, eqn, env, ctx.policy, select=entering, cast_to=op.cast_to)
   return _bind_native(eqn, env, ctx._replace(op=op), invals)
 
 
-def _note_main_input(env: Env, instance: str, atoms, entering) -> None:
-  """Remembers the largest floating value entering an op instance, and the others' shapes."""
+def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
+  """Whether a cast inside a float32 op is the caller's ``dtype=``: a narrowing cast of a value
+  entering the op (``jnp.sum(x, dtype=jnp.float16)``), not the op's own restoring cast."""
+  source = eqn.invars[0]
+  if compat.is_literal(source) or eqn.params["new_dtype"] not in LOW_DTYPES \
+      or source.aval.dtype != jnp.float32:
+    return False
+  return env.region.get(env.layout_source.get(source, source)) != instance
+
+
+def _note_main_input(env: Env, instance: str, atoms, entering, stateful: bool) -> None:
+  """Remembers the largest floating value entering an op instance (and, for a stateful op, the
+  others' shapes: those of its state)."""
   main, shapes = env.exits.get(instance, (None, frozenset()))
   for atom, enters in zip(atoms, entering, strict=True):
     if not enters or not _is_eligible(env.dtype(atom)):
@@ -489,7 +637,7 @@ def _note_main_input(env: Env, instance: str, atoms, entering) -> None:
     aval = compat.aval_with_dtype(atom.aval, env.dtype(atom))
     if main is None or aval.size > main.size:
       main, aval = aval, main
-    if aval is not None:
+    if aval is not None and stateful:
       shapes |= {aval.shape}
   if main is not None:
     env.exits[instance] = (main, shapes - {main.shape})
@@ -524,11 +672,8 @@ def _eval_by_primitive(eqn, env: Env, ctx: Context) -> list[Any]:
   if name == "broadcast_in_dim" and compat.is_literal(eqn.invars[0]):
     env.fills[eqn.outvars[0]] = eqn  # zeros_like & co: a fill follows the other operand
     env.weak.update(eqn.outvars)
-  if name in _BROADCASTS and not compat.is_literal(eqn.invars[0]):
-    env.broadcast_source[eqn.outvars[0]] = env.broadcast_source.get(eqn.invars[0],
-                                                                    eqn.invars[0])
-    if eqn.invars[0] in env.weak:
-      env.weak.update(eqn.outvars)
+  if name in _LAYOUT and not compat.is_literal(eqn.invars[0]) and eqn.invars[0] in env.weak:
+    env.weak.update(eqn.outvars)
   return outs
 
 
@@ -613,28 +758,40 @@ def _equalize(eqn, invals: list, env: Env) -> list:
     dtypes = {compat.typeof(invals[i]).dtype for i in members}
     if len(dtypes) < 2:
       continue
-    strong = [compat.typeof(invals[i]).dtype for i in members
-              if not is_weak(eqn.invars[i], invals[i], env)]
-    target = _widest(strong or sorted(dtypes, key=str))
+    weak = {i: is_weak(eqn.invars[i], invals[i], env) for i in members}
+    refs = [compat.typeof(invals[i]).dtype for i in members if compat.is_ref(invals[i])]
+    strong = [compat.typeof(invals[i]).dtype for i in members if not weak[i]]
+    target = refs[0] if refs else _widest(strong or sorted(dtypes, key=str))  # a Ref keeps its
+    # dtype: what is stored into it is cast instead
     for i in members:
-      if compat.typeof(invals[i]).dtype != target:
-        invals[i] = env.convert(invals[i], target)
+      if compat.typeof(invals[i]).dtype == target:
+        continue
+      atom = eqn.invars[i]
+      if not compat.is_literal(atom) and invals[i] is env.read(atom):
+        invals[i] = env.cast(atom, target)  # cached, and a fill is made in the target dtype
+      else:
+        invals[i] = env.convert(invals[i], target, saturate=weak[i])
   return invals
 
 
 def _bias_add(eqn, env: Env) -> list | None:
-  """``add(dot_or_conv_out, broadcast(bias))`` runs in the dot's low dtype, as torch's linear."""
+  """``dot_or_conv(x, W) + b`` runs in the dot's low dtype, as torch's ``linear(x, W, b)``,
+  ``addmm``, ``addmv`` and ``conv`` with a bias do.
+
+  ``b`` is a bias when it is a parameter or constant (``Env.is_parameter``), whatever its rank:
+  flax's ``Dense`` (a broadcast vector), Equinox's ``Linear`` (``W @ x + b``) and ``Conv2d`` (a
+  ``(C, 1, 1)`` bias), under ``vmap`` too (layout changes in between keep the dot's output). A
+  computed addend is a residual (``h + linear(x)``) and promotes, as in torch.
+  """
   a, b = eqn.invars
   if compat.is_literal(a) or compat.is_literal(b):
     return None
   for out, bias in ((a, b), (b, a)):
-    if out in env.lowered and bias in env.broadcast_source:
+    if out in env.lowered and env.is_parameter(bias):
       out_dtype, bias_dtype = env.dtype(out), env.dtype(bias)
       if out_dtype != bias_dtype and _is_eligible(bias_dtype):
-        source = env.broadcast_source[bias]
-        if source.aval.ndim < out.aval.ndim:  # a bias vector: flax's Dense/Conv, batch 1 too
-          values = {out: env.read(out), bias: env.cast(bias, out_dtype)}
-          return env.bind(eqn, [values[a], values[b]])
+        values = {out: env.read(out), bias: env.cast(bias, out_dtype)}
+        return env.bind(eqn, [values[a], values[b]])
   return None
 
 

@@ -1,76 +1,111 @@
-"""Library functions autocast recognises as one torch op, from their eqns' tracebacks.
+"""Library functions autocast recognises as one torch op, by identity.
 
-Each entry is (path suffix of the defining file, function's qualified name, op name). The op name
-keys the policy tables: a table row decides the category; ops without a row run in the dtypes
-of their inputs, as torch runs its unlisted ops (so ``gelu`` under the CUDA policy does not send
-its ``x**3`` to float32 the way a bare ``pow`` would).
+Each entry is (module, attribute path, op name): the function at that path of the module is
+recognised by its code object among the frames of an eqn's traceback, wherever the library lives
+and whatever its files are called. The op name keys the policy tables: a table row decides the
+category; ops without a row run in the dtypes of their inputs, as torch runs its unlisted ops (so
+``gelu`` under the CUDA policy does not send its ``x**3`` to float32 the way a bare ``pow`` would).
+
+jax and optax (dependencies, already imported) resolve at import, so a rename fails there; flax,
+Haiku and Equinox resolve at the first trace after they are imported, so registering their
+layers imports none of them. ``tests/test_library_ops.py`` resolves and exercises every entry.
 """
+
+import jax.nn  # noqa: F401  (imported: their entries resolve now)
+import jax.numpy  # noqa: F401
+import jax.scipy.special  # noqa: F401
+import optax.losses  # noqa: F401
 
 from jaxamp._src import regions
 
-_NN = "jax/_src/nn/functions.py"
-_NUMPY = "jax/_src/numpy/"
-_OPTAX_CLS = "optax/losses/_classification.py"
-_OPTAX_REG = "optax/losses/_regression.py"
-_OPTAX_SELF = "optax/losses/_self_supervised.py"
+_LAX_NUMPY = "jax._src.numpy.lax_numpy"  # the pad modes jnp.pad dispatches to are private
 
-LIBRARY_OPS = (
+EAGER_OPS = (
     # jax.nn
-    (_NN, "softmax", "softmax"),
-    (_NN, "log_softmax", "log_softmax"),
-    (_NN, "softplus", "softplus"),
-    (_NN, "dot_product_attention", "scaled_dot_product_attention"),
-    (_NN, "gelu", "gelu"),
-    (_NN, "silu", "silu"),
-    (_NN, "elu", "elu"),
-    (_NN, "celu", "celu"),
-    (_NN, "selu", "selu"),
-    (_NN, "log_sigmoid", "log_sigmoid"),
-    (_NN, "mish", "mish"),
-    (_NN, "glu", "glu"),
+    ("jax.nn", "softmax", "softmax"),
+    ("jax.nn", "log_softmax", "log_softmax"),
+    ("jax.nn", "softplus", "softplus"),
+    ("jax.nn", "dot_product_attention", "scaled_dot_product_attention"),
+    ("jax.nn", "gelu", "gelu"),
+    ("jax.nn", "silu", "silu"),
+    ("jax.nn", "elu", "elu"),
+    ("jax.nn", "celu", "celu"),
+    ("jax.nn", "selu", "selu"),
+    ("jax.nn", "log_sigmoid", "log_sigmoid"),
+    ("jax.nn", "mish", "mish"),
+    ("jax.nn", "glu", "glu"),
+    # jax.nn.logsumexp is jax.scipy.special.logsumexp
+    ("jax.scipy.special", "logsumexp", "logsumexp"),
     # jax.numpy
-    (_NUMPY + "tensor_contractions.py", "tensordot", "tensordot"),
-    (_NUMPY + "lax_numpy.py", "cross", "cross"),
-    (_NUMPY + "lax_numpy.py", "trace", "trace"),
-    (_NUMPY + "lax_numpy.py", "_pad_symmetric_or_reflect", "reflection_pad"),
-    (_NUMPY + "lax_numpy.py", "_pad_edge", "replication_pad"),
-    (_NUMPY + "linalg.py", "norm", "norm"),
-    (_NUMPY + "linalg.py", "pinv", "pinverse"),
-    (_NUMPY + "linalg.py", "inv", "inverse"),
-    (_NUMPY + "linalg.py", "solve", "linalg_solve"),
-    (_NUMPY + "linalg.py", "tensorinv", "linalg_tensorinv"),
-    (_NUMPY + "linalg.py", "tensorsolve", "linalg_tensorsolve"),
-    (_NUMPY + "linalg.py", "lstsq", "linalg_lstsq"),
-    (_NUMPY + "reductions.py", "sum", "sum"),
-    (_NUMPY + "reductions.py", "prod", "prod"),
-    (_NUMPY + "reductions.py", "mean", "mean"),
-    (_NUMPY + "reductions.py", "cumsum", "cumsum"),
-    (_NUMPY + "reductions.py", "cumprod", "cumprod"),
-    (_NUMPY + "reductions.py", "quantile", "quantile"),
-    (_NUMPY + "reductions.py", "nanquantile", "quantile"),
+    ("jax.numpy", "tensordot", "tensordot"),
+    ("jax.numpy", "cross", "cross"),
+    ("jax.numpy", "trace", "trace"),
+    (_LAX_NUMPY, "_pad_symmetric_or_reflect", "reflection_pad"),
+    (_LAX_NUMPY, "_pad_edge", "replication_pad"),
+    ("jax.numpy.linalg", "norm", "norm"),
+    ("jax.numpy.linalg", "pinv", "pinverse"),
+    ("jax.numpy.linalg", "inv", "inverse"),
+    ("jax.numpy.linalg", "solve", "linalg_solve"),
+    ("jax.numpy.linalg", "tensorinv", "linalg_tensorinv"),
+    ("jax.numpy.linalg", "tensorsolve", "linalg_tensorsolve"),
+    ("jax.numpy.linalg", "lstsq", "linalg_lstsq"),
+    ("jax.numpy", "sum", "sum"),
+    ("jax.numpy", "prod", "prod"),
+    ("jax.numpy", "mean", "mean"),
+    ("jax.numpy", "cumsum", "cumsum"),
+    ("jax.numpy", "cumprod", "cumprod"),
+    ("jax.numpy", "quantile", "quantile"),
+    ("jax.numpy", "nanquantile", "quantile"),
     # optax losses
-    (_OPTAX_CLS, "sigmoid_binary_cross_entropy", "binary_cross_entropy_with_logits"),
-    (_OPTAX_CLS, "softmax_cross_entropy", "cross_entropy"),
-    (_OPTAX_CLS, "safe_softmax_cross_entropy", "cross_entropy"),
-    (_OPTAX_CLS, "softmax_cross_entropy_with_integer_labels", "cross_entropy"),
-    (_OPTAX_CLS, "kl_divergence", "kl_div"),
-    (_OPTAX_CLS, "kl_divergence_with_log_targets", "kl_div"),
-    (_OPTAX_CLS, "ctc_loss", "ctc_loss"),
-    (_OPTAX_CLS, "ctc_loss_with_forward_probs", "ctc_loss"),
-    (_OPTAX_CLS, "multiclass_hinge_loss", "multi_margin_loss"),
-    (_OPTAX_REG, "squared_error", "mse_loss"),
-    (_OPTAX_REG, "l2_loss", "mse_loss"),
-    (_OPTAX_REG, "huber_loss", "huber_loss"),
-    (_OPTAX_REG, "cosine_similarity", "cosine_similarity"),
-    (_OPTAX_SELF, "triplet_margin_loss", "triplet_margin_loss"),
-    # flax normalisation layers
-    ("flax/linen/normalization.py", "LayerNorm.__call__", "layer_norm"),
-    ("flax/linen/normalization.py", "GroupNorm.__call__", "group_norm"),
-    ("flax/nnx/nn/normalization.py", "LayerNorm.__call__", "layer_norm"),
-    ("flax/nnx/nn/normalization.py", "GroupNorm.__call__", "group_norm"),
-    ("flax/linen/normalization.py", "BatchNorm.__call__", "batch_norm"),
-    ("flax/nnx/nn/normalization.py", "BatchNorm.__call__", "batch_norm"),
+    ("optax.losses", "sigmoid_binary_cross_entropy", "binary_cross_entropy_with_logits"),
+    ("optax.losses", "softmax_cross_entropy", "cross_entropy"),
+    ("optax.losses", "safe_softmax_cross_entropy", "cross_entropy"),
+    ("optax.losses", "softmax_cross_entropy_with_integer_labels", "cross_entropy"),
+    ("optax.losses", "kl_divergence", "kl_div"),
+    ("optax.losses", "kl_divergence_with_log_targets", "kl_div"),
+    ("optax.losses", "ctc_loss", "ctc_loss"),
+    ("optax.losses", "ctc_loss_with_forward_probs", "ctc_loss"),
+    ("optax.losses", "multiclass_hinge_loss", "multi_margin_loss"),
+    ("optax.losses", "squared_error", "mse_loss"),
+    ("optax.losses", "l2_loss", "mse_loss"),
+    ("optax.losses", "huber_loss", "huber_loss"),
+    ("optax.losses", "cosine_similarity", "cosine_similarity"),
+    ("optax.losses", "triplet_margin_loss", "triplet_margin_loss"),
 )
 
-for _path, _function, _name in LIBRARY_OPS:
-  regions.register_library_op(_path, _function, _name)
+# Norm and activation layers of optional libraries (their activation functions are jax.nn's).
+# Haiku's InstanceNorm is its LayerNorm's __call__, so it is a layer_norm, as it computes one.
+LAZY_OPS = (
+    # flax.linen
+    ("flax.linen", "LayerNorm.__call__", "layer_norm"),
+    ("flax.linen", "GroupNorm.__call__", "group_norm"),
+    ("flax.linen", "BatchNorm.__call__", "batch_norm"),
+    ("flax.linen", "RMSNorm.__call__", "rms_norm"),
+    ("flax.linen", "InstanceNorm.__call__", "instance_norm"),
+    ("flax.linen", "PReLU.__call__", "prelu"),
+    # flax.nnx
+    ("flax.nnx", "LayerNorm.__call__", "layer_norm"),
+    ("flax.nnx", "GroupNorm.__call__", "group_norm"),
+    ("flax.nnx", "BatchNorm.__call__", "batch_norm"),
+    ("flax.nnx", "RMSNorm.__call__", "rms_norm"),
+    ("flax.nnx", "InstanceNorm.__call__", "instance_norm"),
+    ("flax.nnx", "PReLU.__call__", "prelu"),
+    # Haiku
+    ("haiku", "LayerNorm.__call__", "layer_norm"),
+    ("haiku", "GroupNorm.__call__", "group_norm"),
+    ("haiku", "BatchNorm.__call__", "batch_norm"),
+    ("haiku", "RMSNorm.__call__", "rms_norm"),
+    # Equinox
+    ("equinox.nn", "LayerNorm.__call__", "layer_norm"),
+    ("equinox.nn", "GroupNorm.__call__", "group_norm"),
+    ("equinox.nn", "BatchNorm.__call__", "batch_norm"),
+    ("equinox.nn", "RMSNorm.__call__", "rms_norm"),
+    ("equinox.nn", "PReLU.__call__", "prelu"),
+)
+
+LIBRARY_OPS = EAGER_OPS + LAZY_OPS
+
+for _module, _path, _name in EAGER_OPS:
+  regions.register_library_op(regions.resolve(_module, _path), _name)
+for _module, _path, _name in LAZY_OPS:
+  regions.register_library_op_lazily(_module, _path, _name)

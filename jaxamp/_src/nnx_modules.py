@@ -8,6 +8,8 @@ inside, and the state the function leaves behind is written back to the caller's
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,23 +28,52 @@ def contains_modules(tree: Any) -> bool:
   return any(is_node(leaf) for leaf in jax.tree.leaves(tree, is_leaf=is_node))
 
 
+def is_module(fun: Any) -> bool:
+  """Whether ``fun`` is a callable nnx Module (only then can flax be imported already)."""
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(fun, nnx.Module) and callable(fun)
+
+
+def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
+  """``module(*args, **kwargs)``: what ``autocast(module)`` runs, with the module an argument."""
+  return module(*args, **kwargs)
+
+
+def _pure_call(fun: Callable, graphdef: Any, is_module: tuple, treedef: Any, state: Any,
+               others: list) -> tuple[Any, Any]:
+  """``fun`` on the modules rebuilt from ``state``; its output and the modules' new state."""
+  nnx = _nnx()
+  inner_modules, inner_others = iter(nnx.merge(graphdef, state)), iter(others)
+  inner = [next(inner_modules) if m else next(inner_others) for m in is_module]
+  inner_args, inner_kwargs = jax.tree.unflatten(treedef, inner)
+  out = fun(*inner_args, **inner_kwargs)
+  return out, nnx.state([leaf for leaf, m in zip(inner, is_module, strict=True) if m])
+
+
 def call_keeping_state(call: Callable, fun: Callable, args: tuple, kwargs: dict) -> Any:
-  """``call(pure_fun, args, kwargs)`` for a ``fun`` that may update nnx modules in its args."""
+  """``call(pure_fun, args, kwargs)`` for a ``fun`` that may update nnx modules in its args.
+
+  Only Variables whose value changed are written back: a module that ``fun`` only reads may be
+  one closed over from an enclosing ``jit`` or ``grad``, where nnx forbids writes.
+  """
   nnx = _nnx()
   is_node = nnx.graph.is_graph_node
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
-  is_module = [is_node(leaf) for leaf in leaves]
+  is_module = tuple(is_node(leaf) for leaf in leaves)
   modules = [leaf for leaf, m in zip(leaves, is_module, strict=True) if m]
   others = [leaf for leaf, m in zip(leaves, is_module, strict=True) if not m]
   graphdef, state = nnx.split(modules)
-
-  def pure_fun(state, others):
-    inner_modules, inner_others = iter(nnx.merge(graphdef, state)), iter(others)
-    inner = [next(inner_modules) if m else next(inner_others) for m in is_module]
-    inner_args, inner_kwargs = jax.tree.unflatten(treedef, inner)
-    out = fun(*inner_args, **inner_kwargs)
-    return out, nnx.state([leaf for leaf, m in zip(inner, is_module, strict=True) if m])
-
+  # A partial of module-level values, so autocast's trace cache finds it again on the next call.
+  pure_fun = functools.partial(_pure_call, fun, graphdef, is_module, treedef)
   out, new_state = call(pure_fun, (state, others), {})
-  nnx.update(modules, new_state)
+  old = dict(nnx.to_flat_state(state))
+  changed = [(path, var) for path, var in nnx.to_flat_state(new_state)
+             if path not in old or not _same(var, old[path])]
+  if changed:
+    nnx.update(modules, nnx.from_flat_state(changed))
   return out
+
+
+def _same(new: Any, old: Any) -> bool:
+  """Whether a Variable of the new state holds the very value (and type) it was passed in."""
+  return type(new) is type(old) and new.get_value() is old.get_value()

@@ -7,15 +7,21 @@ A region is marked with a JAX name scope, which every eqn traced inside it carri
   calls and nested ``autocast`` calls, whose eqns were already rewritten by their own policy;
 * *op* regions stand for one torch op made of several primitives (softmax, mse_loss, ...): the
   values entering them are cast by the op's category, the eqns inside run as they are;
-* library functions recognised by the traceback of their eqns are op regions too, so optax, flax
-  and ``jax.nn`` composites are found without wrapping them.
+* library functions recognised by identity (their code object among the frames of their eqns'
+  tracebacks) are op regions too, so optax, flax, Haiku, Equinox and ``jax.nn`` composites are
+  found without wrapping them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import inspect
 import itertools
+import sys
+import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -86,22 +92,39 @@ def custom_fwd_name(dtype: np.dtype) -> str:
   return f"{_CUSTOM_FWD}{np.dtype(dtype).name}"
 
 
-def register_op(name: str, *, category: Category | str | None = None) -> Callable:
-  """Decorator making a function one autocast op region named ``name``.
+def register_op(op: str | Callable, name: str | None = None, *,
+                category: Category | str | None = None) -> Callable:
+  """Makes a function one autocast op region named ``name``: a row of the policy tables.
 
   The policy's table decides the category of ``name``; ``category`` is used where the table has
   no row for it (for your own ops). Without either, the op runs in its inputs' dtypes, as torch
-  runs the ops its lists leave out.
+  runs the ops its lists leave out. Two forms:
+
+  * ``register_op("my_loss", category="float32")`` is a decorator that wraps the function;
+  * ``register_op(their_norm, name="layer_norm")`` recognises a function you cannot edit (a
+    third-party library's) by identity, its code object in the traceback of the eqns traced
+    inside it, and returns it unchanged.
 
   Example::
 
     @jaxamp.register_op("my_loss", category="float32")
     def my_loss(pred, target): ...
+
+    jaxamp.register_op(other_lib.rms_norm, name="rms_norm")
   """
-  if not isinstance(name, str) or not name:
-    raise TypeError(f"`name` must be a non-empty string; got {name!r}.")
-  default = _as_category(category)
-  _user_defaults[name] = default
+  if callable(op) and not isinstance(op, str):
+    if not isinstance(name, str) or not name:
+      raise TypeError(f"`name` must be a non-empty string; got {op!r} with name={name!r} "
+                      "(register_op(fun, name=...) recognises fun as op `name`).")
+    _set_default(name, category)
+    register_library_op(op, name)
+    return op
+  if not isinstance(op, str) or not op:
+    raise TypeError(f"`name` must be a non-empty string or the function to register; got {op!r}.")
+  if name is not None:
+    raise TypeError(f"register_op({op!r}) takes the op's name once; got name={name!r} too.")
+  name = op
+  _set_default(name, category)
 
   def decorate(fun: Callable) -> Callable:
     if not callable(fun):
@@ -115,6 +138,17 @@ def register_op(name: str, *, category: Category | str | None = None) -> Callabl
     return wrapped
 
   return decorate
+
+
+def _set_default(name: str, category: Category | str | None) -> None:
+  """Records ``name``'s fallback category. None adds nothing to an earlier registration; another
+  category than an earlier one raises rather than silently changing every call of the op."""
+  default, earlier = _as_category(category), _user_defaults.get(name)
+  if default is not None and earlier is not None and default != earlier:
+    raise ValueError(f"op {name!r} is registered with category {earlier.value!r}; registering "
+                     f"it again with {default.value!r} would silently change it.")
+  _user_defaults[name] = default if default is not None else earlier
+  _library_ops_of.cache_clear()  # library regions of ``name`` take this default too
 
 
 def registered_ops() -> tuple[str, ...]:
@@ -132,22 +166,73 @@ def _as_category(category: Category | str | None) -> Category | None:
     raise ValueError(f"`category` must be one of {choices} or None; got {category!r}.") from None
 
 
-# Library functions recognised as op regions by the frames of their eqns' tracebacks:
-# function name -> [(path suffix of the defining file, op name in the policy tables)].
-_library_ops: dict[str, list[tuple[str, str]]] = {}
+# Functions recognised as op regions by identity: the code object of each, looked for among the
+# frames of an eqn's traceback, -> the op names (policy-table rows) it stands for.
+_library_codes: dict[types.CodeType, tuple[str, ...]] = {}
+# Functions of libraries not imported yet: module -> [(attribute path, op name)], resolved once
+# the module is in sys.modules (so registering Haiku's layers does not import Haiku).
+_pending: dict[str, list[tuple[str, str]]] = {}
 
 
-def register_library_op(path_suffix: str, function: str, name: str) -> None:
-  """Treats eqns traced inside ``function`` of a file ending in ``path_suffix`` as op ``name``."""
-  _library_ops.setdefault(function, []).append((path_suffix, name))
-  _library_ops_of.cache_clear()
+def code_of(fun: Callable) -> types.CodeType:
+  """The code object a call of ``fun`` runs: through ``functools.wraps`` and ``jax.jit``
+  wrappers (``inspect.unwrap``), of the function of a method."""
+  inner = inspect.unwrap(fun)
+  inner = getattr(inner, "__func__", inner)
+  code = getattr(inner, "__code__", None)
+  if not isinstance(code, types.CodeType):
+    raise TypeError(f"{fun!r} has no Python code object to recognise in a traceback; register "
+                    "the Python function it runs (for a class, its `__call__`).")
+  return code
+
+
+def register_library_op(fun: Callable, name: str) -> None:
+  """Treats eqns traced inside ``fun`` (recognised by its code object) as op ``name``."""
+  code = code_of(fun)
+  if name not in _library_codes.get(code, ()):
+    _library_codes[code] = (*_library_codes.get(code, ()), name)
+    _library_ops_of.cache_clear()
+
+
+def resolve(module: str, path: str) -> Callable:
+  """The object at attribute ``path`` (``"LayerNorm.__call__"``) of imported ``module``."""
+  found = importlib.import_module(module)
+  for attribute in path.split("."):
+    found = getattr(found, attribute)
+  return found
+
+
+def register_library_op_lazily(module: str, path: str, name: str) -> None:
+  """``register_library_op`` of ``module``'s ``path`` now if ``module`` is imported, or else at
+  the first trace after it is."""
+  _pending.setdefault(module, []).append((path, name))
+  _resolve_pending()
+
+
+def _resolve_pending() -> None:
+  for module in [m for m in _pending if m in sys.modules]:
+    spec = getattr(sys.modules[module], "__spec__", None)
+    if getattr(spec, "_initializing", False):
+      continue  # still being imported: wait for the next trace
+    for path, name in _pending.pop(module):
+      try:
+        register_library_op(resolve(module, path), name)
+      except (AttributeError, TypeError) as error:
+        warnings.warn(f"jaxamp cannot recognise {module}.{path} as op {name!r} ({error}); its "
+                      "eqns follow per-primitive rules.", RuntimeWarning, stacklevel=2)
 
 
 class Marks(NamedTuple):
-  """What an eqn's provenance says: kept, and the op regions around it, outermost first."""
+  """What an eqn's provenance says: kept, and the op regions around it, outermost first.
+
+  ``positions`` holds, for each op, where inside the op's call the eqn was traced (the bytecode
+  offsets of the frames from the op's function inward; None for named regions, which are unique
+  per call). Within one call, positions of consecutive eqns do not go back.
+  """
 
   kept: bool
   ops: tuple[OpRegion, ...]
+  positions: tuple[tuple[int, ...] | None, ...] = ()
 
 
 NO_MARKS = Marks(False, ())
@@ -159,8 +244,12 @@ def marks_of(eqn) -> Marks:
   if not _KEPT_MARKS.isdisjoint(scopes):
     return Marks(True, ())
   named = tuple(_named_op(scope) for scope in scopes if scope.startswith(_OP_PREFIX))
-  library = _library_ops_of(compat.traceback_frames(eqn))
-  return Marks(False, named + library) if named or library else NO_MARKS
+  if _pending:
+    _resolve_pending()
+  library, positions = _library_ops_of(compat.traceback_code_frames(eqn))
+  if not named and not library:
+    return NO_MARKS
+  return Marks(False, named + library, (None,) * len(named) + positions)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -171,12 +260,21 @@ def _named_op(scope: str) -> OpRegion:
 
 
 @functools.lru_cache(maxsize=4096)
-def _library_ops_of(frames: tuple[tuple[str, str, int], ...]) -> tuple[OpRegion, ...]:
-  """The recognised library functions among ``frames`` (innermost first), outermost first."""
-  found = []
-  for index, (file_name, function, _) in enumerate(frames):
-    for suffix, name in _library_ops.get(function, ()):
-      if file_name.endswith(suffix):
-        caller = frames[index + 1] if index + 1 < len(frames) else ("", "", 0)
-        found.append(OpRegion(name, f"{name}@{caller}", None))
-  return tuple(reversed(found))
+def _library_ops_of(
+    frames: tuple[tuple[types.CodeType, int], ...],
+) -> tuple[tuple[OpRegion, ...], tuple[tuple[int, ...], ...]]:
+  """The recognised library functions among ``frames`` (innermost first), outermost first.
+
+  Returned with each one's position inside its call: the bytecode offsets of the frames from
+  the function's own inward, which grow (compared as tuples) as the call runs on. The instance
+  names the call site (the caller's frame); two calls from one site (a loop, a linen module's
+  wrapper) are told apart by the position going back (``interpreter._op_calls``).
+  """
+  found, positions = [], []
+  for index, (code, offset) in enumerate(frames):
+    for name in _library_codes.get(code, ()):
+      caller, at = frames[index + 1] if index + 1 < len(frames) else (None, 0)
+      site = f"{caller.co_filename}:{caller.co_qualname}" if caller is not None else ""
+      found.append(OpRegion(name, f"{name}@{site}:{at}", _user_defaults.get(name)))
+      positions.append(tuple(offset for _, offset in reversed(frames[:index + 1])))
+  return tuple(reversed(found)), tuple(reversed(positions))

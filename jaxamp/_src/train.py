@@ -191,14 +191,17 @@ def make_nnx_train_step(loss_fn: Callable[..., Any], *, device_type: str | None 
     scaler = None if scaler is None else _plain(scaler)  # arrays, not the optimizer's Variables
     has_aux_box: list[bool] = []
 
-    def objective(model: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+    # The extra arguments go through value_and_grad, not a closure: nnx objects among them (an
+    # nnx.Rngs for dropout) may then update their state inside the gradient's trace.
+    def objective(model: Any, batch: Any, args: tuple,
+                  kwargs: dict) -> tuple[jax.Array, tuple[jax.Array, Any]]:
       loss, aux, has_aux = _split_loss(forward(model, batch, *args, **kwargs))
       has_aux_box.append(has_aux)
       objective_value = loss if scaler is None else loss_scale.scale_loss(loss, scaler)
       return objective_value, (loss, aux)
 
     grad_fn = nnx.value_and_grad(objective, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
-    (_, (loss, aux)), grads = grad_fn(model)
+    (_, (loss, aux)), grads = grad_fn(model, batch, args, kwargs)
     optimizer.update(model, grads)
     return _metrics(loss, aux, has_aux_box[0], optimizer.opt_state)
 

@@ -17,6 +17,7 @@ ROWS = (
     # --- bfloat16 --------------------------------------------------------------------------------
     Row(("bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "addbmm", "linear", "matmul",
          "mkldnn_rnn_layer"), L, primitives=("dot_general",)),
+    *shared.GROUPED_MATMUL,
     Row(("conv1d", "conv2d", "conv3d", "_convolution", "conv_tbc", "conv_transpose1d",
          "conv_transpose2d", "conv_transpose3d"), L, primitives=("conv_general_dilated",)),
     Row(("prelu",), L, ops=("prelu",)),
@@ -62,20 +63,28 @@ ROWS = (
         ops=("multilabel_margin_loss",)),
     Row(("ctc_loss",), F, ops=("ctc_loss",)),
     # --- unlisted single kernels in torch: they return their input's dtype -----------------
-    # torch's CPU softmax and norm kernels accumulate in float32 and return the input dtype.
+    # torch's CPU softmax and norm kernels accumulate in float32 and return the input dtype
+    # (rms_norm too, checked on torch 2.13: bitwise the float32 result rounded).
     Row(("softmax", "softmin", "log_softmax", "layer_norm", "group_norm", "batch_norm", "sum",
-         "mean"), F_IN,
+         "mean", "rms_norm", "instance_norm"), F_IN,
         ops=("softmax", "softmin", "log_softmax", "layer_norm", "group_norm", "batch_norm", "sum",
-             "mean")),
+             "mean", "rms_norm", "instance_norm")),
     # Ops torch decomposes into listed ones, like tensordot into mm, have no row: their
     # primitives follow their own rules.
     Row(("softplus", "norm", "normalize", "dist", "pdist", "renorm", "cosine_similarity", "cross",
          "gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu"), N,
         ops=("softplus", "norm", "normalize", "dist", "pdist", "renorm", "cosine_similarity",
              "cross", "gelu", "silu", "elu", "celu", "selu", "log_sigmoid", "mish", "glu")),
+    # A 1-D by 1-D dot_general is torch's dot / vdot; bilinear runs its own (_trilinear) kernel.
+    Row(("dot", "vdot"), N, primitives=("dot_general[vector]",)),
+    Row(("bilinear",), N, ops=("bilinear",)),
     # --- promote to the widest input type -------------------------------------------------------
     Row(("cat", "stack"), P, primitives=("concatenate",)),
     Row(("index_copy",), P, primitives=("scatter",)),
 )
+
+# The linear algebra torch's CPU list does not name (schur, hessenberg, tridiagonal_solve, ...):
+# JAX has no 16-bit kernels for it either, so it runs in float32 too.
+ROWS += shared.linalg_in_float32(besides=ROWS)
 
 TABLE = register_table(Table("cpu", jnp.dtype(jnp.bfloat16), ROWS))

@@ -17,6 +17,7 @@ ROWS = (
     Row(("__matmul__", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul",
          "multi_dot", "linear", "matmul", "mm", "mv", "GRUCell", "LSTMCell", "RNNCell"),
         L, primitives=("dot_general",)),
+    *shared.GROUPED_MATMUL,
     Row(("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
         L, primitives=("conv_general_dilated",)),
     Row(("prelu",), L, ops=("prelu",)),
@@ -43,23 +44,31 @@ ROWS = (
     # logcumsumexp is not in the reference list, but is the cumulative form of exp+sum.
     Row(("logcumsumexp",), F, primitives=("cumlogsumexp",)),
     # --- float32: composites ---------------------------------------------------------------------
+    # logsumexp is in torch's CUDA float32 source list (AT_FORALL_FP32), not the reference doc.
+    Row(("logsumexp",), F, ops=("logsumexp",)),
     *op_rows(F, "softmax", "softmin", "log_softmax", "softplus", "layer_norm", "group_norm", "norm",
              "normalize", "renorm", "dist", "cdist", "pdist", "cosine_similarity",
              "binary_cross_entropy_with_logits", "cross_entropy", "nll_loss", "kl_div", "mse_loss",
              "l1_loss"),
+    # rms_norm is in torch's CUDA float32 source list (AT_FORALL_FP32, beside layer_norm), not
+    # the reference doc.
+    Row(("rms_norm",), F, ops=("rms_norm",)),
     Row(("smooth_l1_loss",), F, ops=("smooth_l1_loss", "huber_loss")),
     *op_rows(F, "poisson_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss",
              "margin_ranking_loss", "multilabel_margin_loss", "multi_margin_loss",
              "soft_margin_loss", "triplet_margin_loss"),
     # --- promote to the widest input type -------------------------------------------------------
     Row(("atan2",), P, primitives=("atan2",)),
-    Row(("addcdiv", "addcmul", "cross", "tensordot", "dot", "bilinear"), P,
-        ops=("addcdiv", "addcmul", "cross", "tensordot", "dot", "bilinear")),
+    Row(("addcdiv", "addcmul", "cross", "tensordot", "bilinear"), P,
+        ops=("addcdiv", "addcmul", "cross", "tensordot", "bilinear")),
+    # A 1-D by 1-D dot_general is torch's dot / vdot (jnp.dot, jnp.vdot).
+    Row(("dot", "vdot"), P, primitives=("dot_general[vector]",)),
     Row(("scatter_add",), P, primitives=("scatter-add", "scatter_add")),
     Row(("index_put",), P, primitives=("scatter",)),
     *shared.LINALG_IN_FLOAT32,
     *shared.COMPLEX_IN_FLOAT32,
     *shared.ACCUMULATING_KERNELS,
+    Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
     # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
     # (without these rows, gelu's x**3 or elu's expm1 would follow the float32 pow/expm1 rows)
     Row(("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu"), N,

@@ -17,6 +17,7 @@ ROWS = (
     Row(("addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "multi_dot",
          "linear", "matmul", "mm", "mv", "GRUCell", "LSTMCell", "RNNCell"),
         L, primitives=("dot_general",)),
+    *shared.GROUPED_MATMUL,
     Row(("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
         L, primitives=("conv_general_dilated",)),
     # --- float32: primitives ---------------------------------------------------------------------
@@ -32,13 +33,18 @@ ROWS = (
              "dist", "cosine_similarity", "binary_cross_entropy_with_logits", "nll_loss", "kl_div",
              "l1_loss", "poisson_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss",
              "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss"),
+    # torch 2.13 registers rms_norm for AutocastXPU beside layer_norm (not in the reference doc).
+    Row(("rms_norm",), F, ops=("rms_norm",)),
     # --- promote to the widest input type -------------------------------------------------------
     Row(("bilinear", "cross", "tensordot"), P, ops=("bilinear", "cross", "tensordot")),
+    # A 1-D by 1-D dot_general is torch's dot / vdot, which XPU leaves unlisted.
+    Row(("dot", "vdot"), N, primitives=("dot_general[vector]",)),
     Row(("scatter_add",), P, primitives=("scatter-add", "scatter_add")),
     Row(("index_put",), P, primitives=("scatter",)),
     *shared.LINALG_IN_FLOAT32,
     *shared.COMPLEX_IN_FLOAT32,
     *shared.ACCUMULATING_KERNELS,
+    Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
     # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
     Row(("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu", "softplus", "norm",
          "pdist", "renorm"), N,
