@@ -5,6 +5,7 @@ For one model (the transformer LM or the conv net) and each policy ("cpu": bfloa
 
 * ``float32``: the float32 model;
 * ``flax <dtype>``: the same model written with ``dtype=<dtype>`` on every layer (params float32);
+  for the Haiku ResNet, ``jmp <dtype>``: Haiku's jmp policies (``haiku_models.jmp_policies``);
 * ``autocast <device>``: ``jaxamp.autocast(loss_of_the_float32_model, device_type=<device>)``.
 
 Measured: trace/lower/compile time of ``jax.jit(jax.value_and_grad(loss))`` (cold caches, median),
@@ -40,22 +41,23 @@ def _autocast_loss(loss, device_type: str):
   return autocast_loss
 
 
-def variants(make_task, policies) -> dict[str, models.Task]:
-  """name -> Task, float32 first, then per policy the hand-written and the autocast version."""
+def variants(make_task, policies, hand: str = "flax") -> dict[str, models.Task]:
+  """name -> Task, float32 first, then per policy the hand-written and the autocast version.
+
+  ``hand`` names the hand-written mixed precision: "flax" (``dtype=``) or "jmp" (Haiku)."""
   base = make_task(None)
   out = {"float32": base}
   for device in policies:
     dtype = POLICIES[device]
-    hand = make_task(dtype)
-    out[f"flax {jnp.dtype(dtype).name}"] = hand
+    out[f"{hand} {jnp.dtype(dtype).name}"] = make_task(dtype)
     out[f"autocast {device}"] = models.Task(base.name, _autocast_loss(base.loss, device),
                                             base.params, base.state, base.batch)
   return out
 
 
-def pairs(policies) -> list[tuple[str, str, str]]:
+def pairs(policies, hand: str = "flax") -> list[tuple[str, str, str]]:
   """(policy, hand-written variant, autocast variant)."""
-  return [(d, f"flax {jnp.dtype(POLICIES[d]).name}", f"autocast {d}") for d in policies]
+  return [(d, f"{hand} {jnp.dtype(POLICIES[d]).name}", f"autocast {d}") for d in policies]
 
 
 def _compile_once(task: models.Task) -> dict[str, Any]:
@@ -65,16 +67,20 @@ def _compile_once(task: models.Task) -> dict[str, Any]:
   args = (task.params, task.state, task.batch)
   c0, t0 = time.process_time(), time.perf_counter()
   traced = fun.trace(*args)
+  jaxpr = traced.jaxpr
   t1 = time.perf_counter()
   lowered = traced.lower()
   t2 = time.perf_counter()
   compiled = lowered.compile()
   t3, c3 = time.perf_counter(), time.process_time()
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0,
-          "cpu": c3 - c0, "lowered": lowered, "compiled": compiled}
+          "cpu": c3 - c0, "lowered": lowered, "compiled": compiled,
+          "jaxpr": jaxpr}
 
 
-def _analyse(res: dict, lowered, compiled) -> None:
+def _analyse(res: dict, lowered, compiled, jaxpr=None) -> None:
+  if jaxpr is not None:
+    res["jaxpr_converts"] = common.jaxpr_count(jaxpr, "convert_element_type")
   res["shlo_converts"] = common.stablehlo_converts(lowered.as_text(debug_info=True))
   hlo = compiled.as_text()
   res["hlo_converts"] = common.hlo_converts(hlo)
@@ -84,9 +90,9 @@ def _analyse(res: dict, lowered, compiled) -> None:
 
 
 def run(make_task, *, policies=("cpu", "cuda"), compile_reps=3, step_rounds=7, step_per_round=3,
-        train_step=True, log=print) -> dict[str, Any]:
+        train_step=True, log=print, hand: str = "flax") -> dict[str, Any]:
   start = time.perf_counter()
-  tasks = variants(make_task, policies)
+  tasks = variants(make_task, policies, hand)
   results: dict[str, dict[str, Any]] = {name: {} for name in tasks}
   params = next(iter(tasks.values())).params
   log(f"  {len(tasks)} variants, {models.param_count(params) / 1e6:.2f}M parameters")
@@ -108,7 +114,7 @@ def run(make_task, *, policies=("cpu", "cuda"), compile_reps=3, step_rounds=7, s
       for k in ("trace", "lower", "compile", "total", "cpu"):
         res["times"][k].append(out[k])
       if rep == 0:
-        _analyse(res, out["lowered"], out["compiled"])
+        _analyse(res, out["lowered"], out["compiled"], out["jaxpr"])
         compiled_grad[name] = out["compiled"]
     log(f"  compile rep {rep + 1}/{max(1, compile_reps)} done "
         f"({time.perf_counter() - start:.0f} s)")
@@ -157,10 +163,11 @@ def run(make_task, *, policies=("cpu", "cuda"), compile_reps=3, step_rounds=7, s
 
 
 def report(title: str, results: dict, policies, markdown: bool = False, examples: int = 6,
-           train_step: bool = True) -> str:
+           train_step: bool = True, hand: str = "flax") -> str:
   out = [f"### {title}" if markdown else f"== {title} =="]
   base = results["float32"]
-  hand_of = {ac: hand for _, hand, ac in pairs(policies)}
+  hand_of = {ac: h for _, h, ac in pairs(policies, hand)}
+  vs = f"vs {hand}"
 
   def vs_hand(name, value_of):
     hand = hand_of.get(name)
@@ -175,8 +182,8 @@ def report(title: str, results: dict, policies, markdown: bool = False, examples
                  common.ms(t["cpu"]), vs_hand(name, lambda r: r["compile_median"]["cpu"])])
   out += ["", "1. trace + lower + compile of jit(value_and_grad(loss)), cold caches, median ms "
           f"of {len(base['times']['total'])} (wall; last two columns: process CPU time)",
-          common.table(["variant", "trace", "lower", "compile", "total", "vs f32", "vs flax",
-                        "CPU total", "CPU vs flax"], rows, markdown)]
+          common.table(["variant", "trace", "lower", "compile", "total", "vs f32", vs,
+                        "CPU total", f"CPU {vs}"], rows, markdown)]
 
   rows = []
   for name, res in results.items():
@@ -189,7 +196,7 @@ def report(title: str, results: dict, policies, markdown: bool = False, examples
   out += ["", "2. residuals kept for the backward pass (MiB; jax.vjp residuals that are not inputs)"
           " and XLA temp buffers of the compiled value_and_grad",
           common.table(["variant", "residual MiB", "#", "inputs kept MiB", "XLA temp MiB",
-                        "vs f32", "vs flax", "residual MiB by dtype"], rows, markdown)]
+                        "vs f32", vs, "residual MiB by dtype"], rows, markdown)]
 
   rows = []
   for name, res in results.items():
@@ -198,19 +205,21 @@ def report(title: str, results: dict, policies, markdown: bool = False, examples
                  vs_hand(name, lambda r: r["step_cpu"])])
   what = "train step (value_and_grad + adam)" if train_step else "value_and_grad (--quick)"
   out += ["", f"3. jitted {what}, median ms",
-          common.table(["variant", "step ms", "vs f32", "vs flax", "CPU ms", "CPU vs flax"],
+          common.table(["variant", "step ms", "vs f32", vs, "CPU ms", f"CPU {vs}"],
                        rows, markdown)]
 
   rows = []
   for name, res in results.items():
     pairs_ = common.convert_pairs(res["shlo_converts"])
-    rows.append([name, len(res["shlo_converts"]), len(res["hlo_converts"]),
+    rows.append([name, res["jaxpr_converts"], len(res["shlo_converts"]), len(res["hlo_converts"]),
+                 vs_hand(name, lambda r: r["jaxpr_converts"] or 1),
                  vs_hand(name, lambda r: len(r["shlo_converts"]) or 1),
                  vs_hand(name, lambda r: len(r["hlo_converts"]) or 1),
                  ", ".join(f"{k} {v}" for k, v in pairs_.most_common(4))])
-  out += ["", "4. convert ops (StableHLO of lowered, compiled HLO incl. fusion bodies)",
-          common.table(["variant", "StableHLO", "HLO", "SHLO vs flax", "HLO vs flax",
-                        "StableHLO src->dst"], rows, markdown)]
+  out += ["", "4. convert ops (jaxpr convert_element_type incl. sub-jaxprs, StableHLO of lowered, "
+          "compiled HLO incl. fusion bodies)",
+          common.table(["variant", "jaxpr", "StableHLO", "HLO", f"jaxpr {vs}", f"SHLO {vs}",
+                        f"HLO {vs}", "StableHLO src->dst"], rows, markdown)]
   rows = []
   for name, res in results.items():
     rows.append([name, ", ".join(f"{k[0]} {k[1]}->{k[2]} x{v}"
@@ -222,14 +231,14 @@ def report(title: str, results: dict, policies, markdown: bool = False, examples
   if notes:
     out += ["", "   note: " + "; ".join(notes)]
 
-  for _, hand, ac in pairs(policies):
-    extra = common.extra_converts(results[ac]["shlo_converts"], results[hand]["shlo_converts"],
+  for _, h, ac in pairs(policies, hand):
+    extra = common.extra_converts(results[ac]["shlo_converts"], results[h]["shlo_converts"],
                                   limit=0)
     if not extra:
       continue
     counts = common.convert_pairs(extra)
     out += ["", f"   {len(extra)} StableHLO converts of `{ac}` without a same-typed counterpart "
-            f"in `{hand}` ({', '.join(f'{k} {v}' for k, v in counts.most_common())}); examples:"]
+            f"in `{h}` ({', '.join(f'{k} {v}' for k, v in counts.most_common())}); examples:"]
     for conv in _diverse(extra, examples):
       consumers = ", ".join(sorted(set(conv["consumers"]))[:3])
       out.append(f"   - {conv['src']}->{conv['dst']} [{conv['shape']}] of {conv['producer']}"
@@ -248,11 +257,13 @@ def _diverse(extra: list[dict], limit: int) -> list[dict]:
   return (first + rest)[:limit]
 
 
-def summary_rows(model: str, results: dict, policies) -> list[list[Any]]:
-  """Rows of the targets table: model, policy, metric, flax, autocast, ratio, target, status."""
+def summary_rows(model: str, results: dict, policies, hand: str = "flax",
+                 jaxpr_converts: bool = False) -> list[list[Any]]:
+  """Rows of the targets table: model, policy, metric, hand-written, autocast, ratio, target,
+  status. ``jaxpr_converts`` adds a row for the jaxpr's convert_element_type eqns."""
   rows = []
-  for device, hand, ac in pairs(policies):
-    h, a = results[hand], results[ac]
+  for device, hand_name, ac in pairs(policies, hand):
+    h, a = results[hand_name], results[ac]
     metrics = [
         ("compile ms", h["compile_median"]["total"] * 1e3, a["compile_median"]["total"] * 1e3,
          TARGETS["compile"]),
@@ -262,6 +273,8 @@ def summary_rows(model: str, results: dict, policies) -> list[list[Any]]:
         ("StableHLO converts", len(h["shlo_converts"]), len(a["shlo_converts"]), 1.0),
         ("HLO converts", len(h["hlo_converts"]), len(a["hlo_converts"]), 1.0),
     ]
+    if jaxpr_converts:
+      metrics.insert(3, ("jaxpr converts", h["jaxpr_converts"], a["jaxpr_converts"], 1.0))
     for metric, hv, av, target in metrics:
       r = av / hv if hv else float("inf")
       status = "" if target is None else common.target_mark(r, target)

@@ -106,6 +106,30 @@ def residual_stats(fun: Callable, primals: Sequence[Any], *, has_aux: bool = Fal
   return stats
 
 
+# --- jaxprs -------------------------------------------------------------------------------------
+
+
+def jaxpr_count(jaxpr, primitive_name: str) -> int:
+  """The ``primitive_name`` eqns of ``jaxpr`` (a Jaxpr or ClosedJaxpr) and of every jaxpr nested
+  in its eqns' params (jit, scan, cond branches, custom_jvp/vjp, remat, ...)."""
+  from jax.extend import core as jex_core
+
+  def inner(value):
+    if isinstance(value, jex_core.ClosedJaxpr):
+      return value.jaxpr
+    return value if isinstance(value, jex_core.Jaxpr) else None
+
+  count = 0
+  for eqn in inner(jaxpr).eqns:
+    count += eqn.primitive.name == primitive_name
+    for value in eqn.params.values():
+      for item in value if isinstance(value, tuple | list) else (value,):
+        sub = inner(item)
+        if sub is not None:
+          count += jaxpr_count(sub, primitive_name)
+  return count
+
+
 # --- HLO text ------------------------------------------------------------------------------------
 
 _HLO_INSTR = re.compile(

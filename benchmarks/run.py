@@ -1,12 +1,14 @@
-"""jaxamp benchmarks: autocast vs hand-written Flax mixed precision, and the loss scaler.
+"""jaxamp benchmarks: autocast vs hand-written Flax / jmp mixed precision, and the loss scaler.
 
     python benchmarks/run.py                 # everything, < 5 minutes on a 2-core CPU
     python benchmarks/run.py --quick         # smaller models, fewer repetitions, < 1 minute
-    python benchmarks/run.py --only lm       # one section: lm, conv, scaler, gpu
+    python benchmarks/run.py --only lm       # one section: lm, conv, haiku, scaler, gpu
     python benchmarks/run.py --markdown      # tables as markdown (docs/benchmarks.md)
 
 Sections (all measured side by side in one process, printed as ratios):
   lm, conv   1. trace/lower/compile time  2. residual bytes  3. step time  4. convert counts
+  haiku      the same for a Haiku ResNet (hk.BatchNorm) against Haiku's jmp policies, with the
+             target autocast converts <= jmp converts in the jaxpr, StableHLO and compiled HLO
   scaler     5. dynamic_loss_scale(adam) vs adam update time on >= 10M parameters
   gpu        6. GPU only: autocast speed-up over float32 and the dtypes of the gemm/conv calls
 No timings are asserted anywhere: targets are printed as ok / MISSED.
@@ -29,7 +31,7 @@ import common  # noqa: E402
 import jax  # noqa: E402
 import models  # noqa: E402
 
-SECTIONS = ("lm", "conv", "scaler", "gpu")
+SECTIONS = ("lm", "conv", "haiku", "scaler", "gpu")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   conv = p.add_argument_group("conv net")
   conv.add_argument("--conv-batch", type=int, default=None)
   conv.add_argument("--conv-norm", choices=("batch", "group"), default="batch")
+  haiku = p.add_argument_group("Haiku ResNet")
+  haiku.add_argument("--haiku-batch", type=int, default=None)
   reps = p.add_argument_group("repetitions")
   reps.add_argument("--compile-reps", type=int, default=None)
   reps.add_argument("--step-rounds", type=int, default=None)
@@ -69,6 +73,8 @@ def settings(args) -> dict:
       lm[k] = v
   conv = dict(batch=args.conv_batch or (16 if q else 32), norm=args.conv_norm,
               features=(16, 32, 32, 64) if q else (32, 64, 64, 128))
+  haiku = dict(batch=args.haiku_batch or (4 if q else 16), image=16 if q else 32,
+               blocks=(1, 1, 1, 1), channels=(8, 16, 16, 16) if q else (16, 32, 64, 128))
   scaler_m = args.scaler_params or (2.6 if q else 10.4)
   # 4 big leaves hold ~80% of the parameters, `small` small ones (a weight and an 8-element bias
   # each) the rest.
@@ -76,7 +82,7 @@ def settings(args) -> dict:
   small = args.scaler_leaves or (64 if q else 256)
   small_size = max(8, int(scaler_m * 1e6 * 0.2 / small))
   return {
-      "lm": lm, "conv": conv,
+      "lm": lm, "conv": conv, "haiku": haiku,
       "scaler": dict(big=4, big_shape=(big_rows, 1024), small=small, small_size=small_size,
                      rounds=5 if q else 7, per_round=2 if q else 3),
       "compile_reps": args.compile_reps or (1 if q else 3),
@@ -96,7 +102,8 @@ def gpu_section(results_by_model: dict, policies, markdown: bool) -> str:
   if backend != "gpu":
     return f"{title}\n\nskipped: jax.default_backend() is {backend!r}, not 'gpu'."
   if not results_by_model:
-    return f"{title}\n\nskipped: run it together with the lm or conv section (--only lm,gpu)."
+    return (f"{title}\n\nskipped: run it together with the lm, conv or haiku section "
+            "(--only lm,gpu).")
   return "\n".join([title, "", f"device: {jax.devices()[0].device_kind}",
                     gpu_table(results_by_model, markdown)])
 
@@ -163,6 +170,24 @@ def main(argv=None) -> int:
                                             train_step=cfg["train_step"]),
           flush=True)
     summary += bench_models.summary_rows("conv", by_model["conv"], policies)
+  if "haiku" in only:
+    import haiku_models  # Haiku and jmp are needed by this section only
+
+    hk_cfg = cfg["haiku"]
+    log(f"haiku: {hk_cfg}")
+    make = functools.partial(haiku_models.resnet_task, **hk_cfg)
+    by_model["haiku"] = bench_models.run(make, policies=policies,
+                                         compile_reps=cfg["compile_reps"],
+                                         step_rounds=cfg["step_rounds"],
+                                         step_per_round=cfg["step_per_round"],
+                                         train_step=cfg["train_step"], log=log, hand="jmp")
+    title = (f"Haiku ResNet: hk.nets.ResNet blocks {hk_cfg['blocks']}, channels "
+             f"{hk_cfg['channels']}, hk.BatchNorm, {hk_cfg['image']}x{hk_cfg['image']}x3, "
+             f"batch {hk_cfg['batch']}; hand-written: jmp policies as in Haiku's ImageNet example")
+    print("\n" + bench_models.report(title, by_model["haiku"], policies, args.markdown,
+                                     train_step=cfg["train_step"], hand="jmp"), flush=True)
+    summary += bench_models.summary_rows("haiku", by_model["haiku"], policies, hand="jmp",
+                                         jaxpr_converts=True)
   if "scaler" in only:
     log(f"scaler: {cfg['scaler']}")
     res = bench_scaler.run(**cfg["scaler"], log=log)
@@ -171,9 +196,10 @@ def main(argv=None) -> int:
   if "gpu" in only:
     print("\n" + gpu_section(by_model, policies, args.markdown), flush=True)
   if summary:
-    head = "### targets" if args.markdown else "== targets (autocast / hand-written Flax) =="
+    head = ("### targets" if args.markdown
+            else "== targets (autocast / hand-written: Flax dtype=, Haiku jmp) ==")
     print(f"\n{head}\n")
-    print(common.table(["model", "policy", "metric", "flax", "autocast", "ratio", "target",
+    print(common.table(["model", "policy", "metric", "hand-written", "autocast", "ratio", "target",
                         "status"], summary, args.markdown))
   print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
   return 0

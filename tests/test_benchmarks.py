@@ -22,7 +22,7 @@ import run  # noqa: E402
 
 TINY = ["--quick", "--markdown", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq",
         "8", "--batch", "2", "--vocab", "32", "--conv-batch", "2", "--scaler-params", "0.02",
-        "--scaler-leaves", "4", "--compile-reps", "1", "--step-rounds", "1"]
+        "--scaler-leaves", "4", "--haiku-batch", "2", "--compile-reps", "1", "--step-rounds", "1"]
 
 GPU_HLO = """
 HloModule jit_train_step
@@ -54,8 +54,8 @@ def quick_report() -> str:
 
 
 def test_quick_run_reports_every_section(quick_report):
-  for heading in ("### transformer LM", "### conv net", "### loss scaler", "### 6. GPU",
-                  "### targets"):
+  for heading in ("### transformer LM", "### conv net", "### Haiku ResNet", "### loss scaler",
+                  "### 6. GPU", "### targets"):
     assert heading in quick_report
 
 
@@ -64,7 +64,21 @@ def test_quick_run_rates_every_target(quick_report):
   for model in ("lm", "conv"):
     for metric in ("compile ms", "residual MiB", "step ms", "StableHLO converts", "HLO converts"):
       assert f"| {model} | cpu | {metric} |" in targets
+  for metric in ("compile ms", "residual MiB", "step ms", "jaxpr converts", "StableHLO converts",
+                 "HLO converts"):
+    assert f"| haiku | cpu | {metric} |" in targets
   assert "| optimizer | - | update ms (adam vs scaler) |" in targets
+
+
+def test_haiku_section_compares_autocast_with_the_jmp_policies(quick_report):
+  section = quick_report[quick_report.index("### Haiku ResNet"):quick_report.index("### loss")]
+  for variant in ("float32", "jmp bfloat16", "autocast cpu", "jmp float16", "autocast cuda"):
+    assert f"| {variant} |" in section
+  targets = quick_report[quick_report.index("### targets"):]
+  for metric in ("jaxpr converts", "StableHLO converts"):  # regression of issue #12 point 4
+    row = next(line for line in targets.splitlines()
+               if line.startswith(f"| haiku | cpu | {metric} |"))
+    assert row.endswith("| ok |"), row
 
 
 def test_gpu_section_says_why_it_was_skipped_on_cpu(quick_report):
