@@ -142,52 +142,42 @@ def main(argv=None) -> int:
         + " ".join(argv if argv is not None else sys.argv[1:]))
   summary = []
   by_model = {}
+  def model_section(name: str, make, title: str, hand: str = "flax", **summary_options):
+    """Runs one model's variants side by side, prints its tables, adds its target rows."""
+    by_model[name] = bench_models.run(make, policies=policies, compile_reps=cfg["compile_reps"],
+                                      step_rounds=cfg["step_rounds"],
+                                      step_per_round=cfg["step_per_round"],
+                                      train_step=cfg["train_step"], log=log, hand=hand)
+    print("\n" + bench_models.report(title, by_model[name], policies, args.markdown,
+                                     train_step=cfg["train_step"], hand=hand), flush=True)
+    return bench_models.summary_rows(name, by_model[name], policies, hand=hand,
+                                     **summary_options)
+
   if "lm" in only:
     lm = cfg["lm"]
     log(f"lm: {lm}")
-    make = functools.partial(models.lm_task, **lm)
-    by_model["lm"] = bench_models.run(make, policies=policies, compile_reps=cfg["compile_reps"],
-                                      step_rounds=cfg["step_rounds"],
-                                      step_per_round=cfg["step_per_round"],
-                                      train_step=cfg["train_step"], log=log)
-    title = (f"transformer LM: {lm['layers']} layers, d={lm['d_model']}, {lm['heads']} heads, "
-             f"seq {lm['seq']}, batch {lm['batch']}, vocab {lm['vocab']}")
-    print("\n" + bench_models.report(title, by_model["lm"], policies, args.markdown,
-                                            train_step=cfg["train_step"]), flush=True)
-    summary += bench_models.summary_rows("lm", by_model["lm"], policies)
+    summary += model_section(
+        "lm", functools.partial(models.lm_task, **lm),
+        f"transformer LM: {lm['layers']} layers, d={lm['d_model']}, {lm['heads']} heads, "
+        f"seq {lm['seq']}, batch {lm['batch']}, vocab {lm['vocab']}")
   if "conv" in only:
     conv = cfg["conv"]
     log(f"conv: {conv}")
-    make = functools.partial(models.conv_task, **conv)
-    by_model["conv"] = bench_models.run(make, policies=policies,
-                                        compile_reps=cfg["compile_reps"],
-                                        step_rounds=cfg["step_rounds"],
-                                        step_per_round=cfg["step_per_round"],
-                                      train_step=cfg["train_step"], log=log)
-    title = (f"conv net: 4 conv {conv['features']} + {conv['norm']} norm + dense, 32x32x3, "
-             f"batch {conv['batch']}")
-    print("\n" + bench_models.report(title, by_model["conv"], policies, args.markdown,
-                                            train_step=cfg["train_step"]),
-          flush=True)
-    summary += bench_models.summary_rows("conv", by_model["conv"], policies)
+    summary += model_section(
+        "conv", functools.partial(models.conv_task, **conv),
+        f"conv net: 4 conv {conv['features']} + {conv['norm']} norm + dense, 32x32x3, "
+        f"batch {conv['batch']}")
   if "haiku" in only:
     import haiku_models  # Haiku and jmp are needed by this section only
 
     hk_cfg = cfg["haiku"]
     log(f"haiku: {hk_cfg}")
-    make = functools.partial(haiku_models.resnet_task, **hk_cfg)
-    by_model["haiku"] = bench_models.run(make, policies=policies,
-                                         compile_reps=cfg["compile_reps"],
-                                         step_rounds=cfg["step_rounds"],
-                                         step_per_round=cfg["step_per_round"],
-                                         train_step=cfg["train_step"], log=log, hand="jmp")
-    title = (f"Haiku ResNet: hk.nets.ResNet blocks {hk_cfg['blocks']}, channels "
-             f"{hk_cfg['channels']}, hk.BatchNorm, {hk_cfg['image']}x{hk_cfg['image']}x3, "
-             f"batch {hk_cfg['batch']}; hand-written: jmp policies as in Haiku's ImageNet example")
-    print("\n" + bench_models.report(title, by_model["haiku"], policies, args.markdown,
-                                     train_step=cfg["train_step"], hand="jmp"), flush=True)
-    summary += bench_models.summary_rows("haiku", by_model["haiku"], policies, hand="jmp",
-                                         jaxpr_converts=True)
+    summary += model_section(
+        "haiku", functools.partial(haiku_models.resnet_task, **hk_cfg),
+        f"Haiku ResNet: hk.nets.ResNet blocks {hk_cfg['blocks']}, channels "
+        f"{hk_cfg['channels']}, hk.BatchNorm, {hk_cfg['image']}x{hk_cfg['image']}x3, "
+        f"batch {hk_cfg['batch']}; hand-written: jmp policies as in Haiku's ImageNet example",
+        hand="jmp", jaxpr_converts=True)
   if "scaler" in only:
     log(f"scaler: {cfg['scaler']}")
     res = bench_scaler.run(**cfg["scaler"], log=log)

@@ -1,5 +1,6 @@
 """jaxamp.explain reports what autocast does to every primitive, inside sub-jaxprs too."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -75,3 +76,14 @@ def test_explain_rejects_bad_input():
     jaxamp.explain(3)
   with pytest.raises(ValueError, match="`device_type` must be one of"):
     jaxamp.explain(model, device_type="tpu")
+
+
+def test_explain_takes_the_non_array_leaves_autocast_takes():
+  class Layer(eqx.Module):
+    linear: eqx.nn.Linear
+    axis_name: str = "batch"  # a static string leaf, as equinox's BatchNorm has
+
+  layer = Layer(eqx.nn.Linear(3, 2, key=jax.random.key(0)))
+  fun = lambda m, x: m.linear(x).sum()
+  explanation = jaxamp.explain(fun, device_type="cpu")(layer, jnp.ones(3))
+  assert any(d.primitive == "dot_general" for d in explanation.decisions)

@@ -101,7 +101,7 @@ def _wrap_module(module: Any, settings: policy.Policy | None) -> Callable:
   return autocast_module
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
   return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
@@ -112,8 +112,8 @@ def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> A
   ``_state_outputs``), which leaves in its traced dtype.
   """
   leaves, in_tree = jax.tree.flatten((args, kwargs))
-  dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-  static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_array(leaf))
+  dynamic = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+  static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not is_array(leaf))
   arrays = [leaves[i] for i in dynamic]
   in_avals = tuple(compat.typeof(x) for x in arrays)
   closed, (out_tree, static_outs) = _trace(fun, in_tree, tuple(dynamic), static, in_avals)

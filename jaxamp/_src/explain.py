@@ -113,9 +113,21 @@ def explain(fun: Callable, *, device_type: str | None = None, dtype=None) -> Cal
                                 _torch_ops(active.table, eqn, rule), traced, _names(ran_on),
                                 _names(outs), casts))
 
+    # Arrays are abstracted; other leaves (a module's string field, flags) stay static, as
+    # autocast takes them.
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    is_array = [autocast_lib.is_array(leaf) for leaf in leaves]
+    arrays = [leaf for leaf, array in zip(leaves, is_array, strict=True) if array]
+
+    def run(arrays):
+      given = iter(arrays)
+      a, k = jax.tree.unflatten(tree, [next(given) if array else leaf
+                                       for leaf, array in zip(leaves, is_array, strict=True)])
+      autocast_lib.call(fun, settings, a, k)
+
     previous = interpreter.set_recorder(record)
     try:
-      jax.eval_shape(lambda a, k: autocast_lib.call(fun, settings, a, k), args, kwargs)
+      jax.eval_shape(run, arrays)
     finally:
       interpreter.set_recorder(previous)
     return Explanation(settings.device_type, settings.dtype.name, tuple(decisions))
