@@ -30,8 +30,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import compat, regions
-from jaxamp._src.policy import ELIGIBLE_DTYPES, LOW_DTYPES, Category, Policy
-from jaxamp._src.tables import shared
+from jaxamp._src.policy import ELIGIBLE_DTYPES, LOW_DTYPES, NO_16_BIT_KERNELS, Category, Policy
 
 
 class Context(NamedTuple):
@@ -80,8 +79,8 @@ _FLOAT32_OPS = (Category.FLOAT32, Category.FLOAT32_INSIDE)
 # what went in (a parameter stays a parameter, a dot's output stays a dot's output).
 _LAYOUT = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "transpose", "copy",
                      "copy_p"})
-# Primitives JAX has no float16/bfloat16 kernels for: float32 inside any op region too.
-NO_16_BIT_KERNELS = frozenset(shared.LINALG_PRIMITIVES)
+# ... and casts, which keep where a value comes from too (a cast parameter is a parameter).
+_KEEPS_PROVENANCE = _LAYOUT | {"convert_element_type"}
 # Ops whose outputs include state shaped like a non-main input (BatchNorm's running statistics):
 # those outputs keep float32 when they leave the op.
 STATEFUL_OPS = frozenset({"batch_norm"})
@@ -357,7 +356,7 @@ def _activation_reads(jaxpr) -> set[Any]:
   read = set()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in _LAYOUT or name == "convert_element_type":
+    if name in _KEEPS_PROVENANCE:
       if not compat.is_literal(eqn.invars[0]):
         roots[eqn.outvars[0]] = roots.get(eqn.invars[0], eqn.invars[0])
       continue
@@ -408,7 +407,7 @@ def _eval_one(eqn, marks: regions.Marks, call: OpCall | None, env: Env, ctx: Con
 def _note_provenance(eqn, env: Env) -> None:
   """Layout changes and casts keep their input's provenance; everything else is computed."""
   name = eqn.primitive.name
-  if name in _LAYOUT or name == "convert_element_type":
+  if name in _KEEPS_PROVENANCE:
     source = eqn.invars[0]
     if not compat.is_literal(source):
       env.layout_source[eqn.outvars[0]] = env.layout_source.get(source, source)
@@ -611,7 +610,7 @@ def _eval_in_op(eqn, env: Env, ctx: Context, call: OpCall) -> list[Any]:
   if category is Category.LOWER and name in _LOWER_PRIMITIVES:
     entering = None  # a low-precision op's own products run low too, not only what enters
   if op.cast_to is None and primitive_category(eqn, ctx.policy) is Category.FLOAT32 \
-      and name in NO_16_BIT_KERNELS:
+      and name in NO_16_BIT_KERNELS:  # float32 inside any op region too
     category, entering = Category.FLOAT32, None  # svd inside jnp.linalg.norm: no 16-bit kernel
   invals = _cast_for(category, eqn, env, ctx.policy, select=entering, cast_to=op.cast_to)
   return _bind_native(eqn, env, ctx._replace(op=op), invals)

@@ -53,6 +53,15 @@ def op_rows(category: Category, *names: str) -> tuple[Row, ...]:
 ELIGIBLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 LOW_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
+# Every jax.lax.linalg primitive with floating operands, and fft: JAX has no float16 or bfloat16
+# kernels for most (LAPACK, cuSOLVER and ducc take float32 and float64; lax.fft rejects 16-bit
+# inputs), so all run in float32 rather than fail. torch raises on low-precision linear algebra
+# on CUDA and XPU; on CPU its float32 list names most of them.
+NO_16_BIT_KERNELS = ("cholesky", "cholesky_update", "eig", "eigh", "geqp3", "geqrf", "hessenberg",
+                     "householder_product", "lu", "ormqr", "qr", "schur", "svd",
+                     "symmetric_product", "triangular_solve", "tridiagonal", "tridiagonal_solve",
+                     "fft")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Table:

@@ -1,26 +1,18 @@
 """Rows the device tables share, where JAX rather than torch decides."""
 
-from jaxamp._src.policy import Category, Row
+from jaxamp._src.policy import NO_16_BIT_KERNELS, Category, Row
 
 # lax.ragged_dot (mixture-of-experts grouped matmuls) is a matmul: the low dtype, like
 # dot_general. torch's counterpart, _grouped_mm, is on none of the reference lists.
 GROUPED_MATMUL = (Row(("_grouped_mm",), Category.LOWER, primitives=("ragged_dot_general",)),)
 
-# Every jax.lax.linalg primitive with floating operands, and fft: JAX has no float16 or bfloat16
-# kernels for most (LAPACK, cuSOLVER and ducc take float32 and float64; lax.fft rejects 16-bit
-# inputs), so all run in float32 rather than fail. torch raises on low-precision linear algebra
-# on CUDA and XPU; on CPU its float32 list names most of them.
-LINALG_PRIMITIVES = ("cholesky", "cholesky_update", "eig", "eigh", "geqp3", "geqrf", "hessenberg",
-                     "householder_product", "lu", "ormqr", "qr", "schur", "svd",
-                     "symmetric_product", "triangular_solve", "tridiagonal", "tridiagonal_solve",
-                     "fft")
 
 
 def linalg_in_float32(besides: tuple[Row, ...] = ()) -> tuple[Row, ...]:
-  """The float32 row of LINALG_PRIMITIVES, less those ``besides`` lists (CPU's torch rows)."""
+  """The float32 row of NO_16_BIT_KERNELS, less those ``besides`` lists (CPU's torch rows)."""
   listed = {name for row in besides for name in row.primitives}
   return (Row(("linalg (no low-precision kernels)",), Category.FLOAT32,
-              primitives=tuple(name for name in LINALG_PRIMITIVES if name not in listed)),)
+              primitives=tuple(name for name in NO_16_BIT_KERNELS if name not in listed)),)
 
 
 LINALG_IN_FLOAT32 = linalg_in_float32()
