@@ -37,8 +37,13 @@ def block(tree) -> None:
   jax.block_until_ready(tree)
 
 
-def interleaved_median(funs: dict[str, Callable[[], Any]], rounds: int, per_round: int,
-                       warmup: int = 1, cpu_time: bool = False):
+def interleaved_median(
+  funs: dict[str, Callable[[], Any]],
+  rounds: int,
+  per_round: int,
+  warmup: int = 1,
+  cpu_time: bool = False,
+):
   """Median seconds per call of each zero-argument ``fun``, measured round-robin.
 
   Each round runs every function ``per_round`` times back to back (``block_until_ready`` on the
@@ -78,6 +83,7 @@ def residual_stats(fun: Callable, primals: Sequence[Any], *, has_aux: bool = Fal
   apart as ``arg_bytes``: they are kept alive by the caller anyway. ``bytes`` counts every other
   distinct residual (activations, casted copies of weights, masks) once.
   """
+
   def residuals(*primals):
     out = jax.vjp(fun, *primals, has_aux=has_aux)
     return jax.tree.leaves(out[1])
@@ -86,8 +92,13 @@ def residual_stats(fun: Callable, primals: Sequence[Any], *, has_aux: bool = Fal
   jaxpr = closed.jaxpr
   invars = set(jaxpr.invars)
   seen = set()
-  stats = {"bytes": 0, "count": 0, "arg_bytes": 0, "arg_count": 0,
-           "by_dtype": collections.Counter()}
+  stats = {
+    "bytes": 0,
+    "count": 0,
+    "arg_bytes": 0,
+    "arg_count": 0,
+    "by_dtype": collections.Counter(),
+  }
   for var in jaxpr.outvars:
     if not hasattr(var, "aval") or type(var).__name__ == "Literal" or var in seen:
       continue
@@ -133,7 +144,8 @@ def jaxpr_count(jaxpr, primitive_name: str) -> int:
 # --- HLO text ------------------------------------------------------------------------------------
 
 _HLO_INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>.*)$")
+  r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>.*)$"
+)
 _HLO_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
@@ -163,15 +175,17 @@ def parse_hlo(text: str) -> list[dict]:
     if not match:
       continue
     args = _split_args(match.group("args"))
-    attrs = match.group("args")[len(args) + 1:]
-    instrs.append({
+    attrs = match.group("args")[len(args) + 1 :]
+    instrs.append(
+      {
         "name": match.group("name"),
         "type": match.group("type"),
         "dtype": _hlo_dtype(match.group("type")),
         "op": match.group("op"),
         "operands": _HLO_OPERAND.findall(args),
         "attrs": attrs,
-    })
+      }
+    )
   return instrs
 
 
@@ -225,8 +239,9 @@ def hlo_matmul_dtypes(text: str) -> collections.Counter:
 
 _SHLO_OP = re.compile(r"^\s*(?P<results>%[\w#:, ]+?)\s*=\s*\"?(?P<op>[\w.]+)\"?[ (](?P<rest>.*)$")
 _SHLO_CONVERT = re.compile(
-    r"stablehlo\.convert\s+(?P<arg>%[\w#]+)\s*:\s*\(tensor<(?P<src>[^>]*)>\)\s*->\s*"
-    r"tensor<(?P<dst>[^>]*)>(?:\s*loc\((?P<loc>#loc\d*)\))?")
+  r"stablehlo\.convert\s+(?P<arg>%[\w#]+)\s*:\s*\(tensor<(?P<src>[^>]*)>\)\s*->\s*"
+  r"tensor<(?P<dst>[^>]*)>(?:\s*loc\((?P<loc>#loc\d*)\))?"
+)
 
 
 def _tensor_dtype(tensor: str) -> str:
@@ -280,14 +295,21 @@ def stablehlo_converts(text: str) -> list[dict]:
     conv = _SHLO_CONVERT.search(line)
     if conv:
       result = re.findall(r"%[\w#]+", match.group("results"))[0].split("#")[0]
-      converts.append({"result": result, "arg": conv.group("arg").split("#")[0],
-                       "src": _tensor_dtype(conv.group("src")),
-                       "dst": _tensor_dtype(conv.group("dst")),
-                       "shape": _tensor_shape(conv.group("src")), "name": _short(name)})
+      converts.append(
+        {
+          "result": result,
+          "arg": conv.group("arg").split("#")[0],
+          "src": _tensor_dtype(conv.group("src")),
+          "dst": _tensor_dtype(conv.group("dst")),
+          "shape": _tensor_shape(conv.group("src")),
+          "name": _short(name),
+        }
+      )
   for conv in converts:
     producer = defs.get(conv["arg"])
-    conv["producer"] = (f"{producer[0].removeprefix('stablehlo.')}@{_short(producer[1])}"
-                        if producer else "argument")
+    conv["producer"] = (
+      f"{producer[0].removeprefix('stablehlo.')}@{_short(producer[1])}" if producer else "argument"
+    )
     conv["consumers"] = users.get(conv["result"], [])
   return converts
 
@@ -331,14 +353,19 @@ def extra_converts(ours: list[dict], theirs: list[dict], limit: int = 8) -> list
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool = False) -> str:
   cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
   if markdown:
-    lines = ["| " + " | ".join(cells[0]) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    lines = [
+      "| " + " | ".join(cells[0]) + " |",
+      "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|",
+    ]
     lines += ["| " + " | ".join(row) + " |" for row in cells[1:]]
     return "\n".join(lines)
   widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-  lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                     for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-           for row in cells]
+  lines = [
+    "  ".join(
+      c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+    )
+    for row in cells
+  ]
   lines.insert(1, "  ".join("-" * w for w in widths))
   return "\n".join(lines)
 

@@ -24,8 +24,10 @@ from models import Task
 def jmp_policies(dtype) -> dict:
   """Module class -> jmp policy of the hand-written variant computing in ``dtype``."""
   name = jnp.dtype(dtype).name
-  return {hk.nets.ResNet: jmp.get_policy(f"params=float32,compute={name},output=float32"),
-          hk.BatchNorm: jmp.get_policy(f"params=float32,compute=float32,output={name}")}
+  return {
+    hk.nets.ResNet: jmp.get_policy(f"params=float32,compute={name},output=float32"),
+    hk.BatchNorm: jmp.get_policy(f"params=float32,compute=float32,output={name}"),
+  }
 
 
 @contextlib.contextmanager
@@ -36,12 +38,18 @@ def pushed(policies: dict):
     yield
 
 
-def resnet_task(dtype, *, batch=16, image=32, blocks=(1, 1, 1, 1), channels=(16, 32, 64, 128),
-                seed=0) -> Task:
+def resnet_task(
+  dtype, *, batch=16, image=32, blocks=(1, 1, 1, 1), channels=(16, 32, 64, 128), seed=0
+) -> Task:
   def forward(images, is_training):
-    net = hk.nets.ResNet(blocks_per_group=tuple(blocks), num_classes=10,
-                         channels_per_group=tuple(channels), bn_config=dict(decay_rate=0.9),
-                         resnet_v2=False, bottleneck=False)
+    net = hk.nets.ResNet(
+      blocks_per_group=tuple(blocks),
+      num_classes=10,
+      channels_per_group=tuple(channels),
+      bn_config=dict(decay_rate=0.9),
+      resnet_v2=False,
+      bottleneck=False,
+    )
     return net(images, is_training)
 
   model = hk.transform_with_state(forward)

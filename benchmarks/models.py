@@ -28,8 +28,9 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, mask):
     h = nn.LayerNorm(dtype=self.dtype)(x)
-    h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
-                                        deterministic=True)(h, mask=mask)
+    h = nn.MultiHeadDotProductAttention(
+      num_heads=self.num_heads, dtype=self.dtype, deterministic=True
+    )(h, mask=mask)
     x = x + h
     h = nn.LayerNorm(dtype=self.dtype)(x)
     h = nn.Dense(4 * self.d_model, dtype=self.dtype)(h)
@@ -96,15 +97,15 @@ class Task:
   batch: Any
 
 
-def lm_task(dtype, *, layers=4, d_model=256, heads=4, seq=128, batch=8, vocab=1024,
-            seed=0) -> Task:
+def lm_task(dtype, *, layers=4, d_model=256, heads=4, seq=128, batch=8, vocab=1024, seed=0) -> Task:
   model = TransformerLM(vocab, d_model, heads, layers, seq, dtype)
   rng = np.random.default_rng(seed)
   tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   # Parameters are initialised once, from the float32 model: every variant trains the same ones.
-  params = TransformerLM(vocab, d_model, heads, layers, seq).init(jax.random.key(seed),
-                                                                  inputs)["params"]
+  params = TransformerLM(vocab, d_model, heads, layers, seq).init(jax.random.key(seed), inputs)[
+    "params"
+  ]
 
   def loss(params, state, batch):
     inputs, targets = batch
@@ -127,8 +128,9 @@ def conv_task(dtype, *, batch=32, norm="batch", features=(32, 64, 64, 128), seed
   def loss(params, state, batch):
     images, labels = batch
     if state:
-      logits, new_state = model.apply({"params": params, **state}, images, train=True,
-                                      mutable=list(state))
+      logits, new_state = model.apply(
+        {"params": params, **state}, images, train=True, mutable=list(state)
+      )
     else:
       logits, new_state = model.apply({"params": params}, images, train=True), state
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)

@@ -1,6 +1,6 @@
 """jaxamp's demo: one model trained in float32, bfloat16 autocast and float16 autocast + scaling.
 
-    python -m jaxamp.demo [--steps N] [--out DIR]
+    python -m jaxamp.demo [--steps N] [--out DIR]     # --help: the options and their defaults
 
 Trains a flax linen MLP (64-512-512-512-10) on scikit-learn's handwritten digits (shipped with
 scikit-learn, no download) three ways, with ``jaxamp.make_train_step`` and a flax
@@ -22,16 +22,19 @@ scikit-learn, no download) three ways, with ``jaxamp.make_train_step`` and a fla
 
 It saves ``DIR/demo.png`` with the loss curves, the loss-scale trajectory (skipped steps marked)
 and the residual memory per variant (needs matplotlib). The default run takes about one to two
-minutes on two CPU cores. On CPU there is no speed-up to expect (XLA:CPU computes 16-bit dots
-in float32 internally); the memory and the dtypes are real on every backend.
+minutes on two CPU cores; progress shows as tqdm bars on a terminal and as a plain line every
+tenth of the steps when stderr goes to a file or a pipe. On CPU there is no speed-up to expect
+(XLA:CPU computes 16-bit dots in float32 internally); the memory and the dtypes are real on every
+backend.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -45,14 +48,15 @@ import jaxamp
 
 # name, autocast device type (None: float32, no autocast), loss scaling
 VARIANTS = (
-    ("float32", None, False),
-    ("bfloat16 autocast (cpu policy)", "cpu", False),
-    ("float16 autocast (cuda policy) + loss scaling", "cuda", True),
+  ("float32", None, False),
+  ("bfloat16 autocast (cpu policy)", "cpu", False),
+  ("float16 autocast (cuda policy) + loss scaling", "cuda", True),
 )
 HIDDEN = (512, 512, 512)
 BATCH_SIZE = 256
 GROWTH_INTERVAL = 100  # torch's default is 2000; shorter, so a short run shows the trajectory
 LOSS_WINDOW = 50
+PROGRESS_LINES = 10  # progress lines per variant when stderr is not a terminal
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -104,31 +108,55 @@ def residual_bytes(fun: Callable, params: Any, batch: Any) -> int:
   batch = jax.tree.map(jnp.asarray, batch)  # device arrays: the residuals may be these objects
   _, backward = jax.vjp(lambda p: fun(p, batch), params)
   arguments = {id(leaf) for leaf in jax.tree.leaves((params, batch))}
-  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(backward)
-             if id(leaf) not in arguments)
+  return sum(
+    leaf.size * leaf.dtype.itemsize
+    for leaf in jax.tree.leaves(backward)
+    if id(leaf) not in arguments
+  )
 
 
 def _progress(iterable: Iterable, total: int, label: str) -> Iterable:
-  try:
-    from tqdm import tqdm
-  except ImportError:
-    return iterable
-  return tqdm(iterable, total=total, desc=label, leave=False)
+  """A tqdm bar on a terminal; elsewhere (a log file, a pipe) a plain line every tenth."""
+  if sys.stderr.isatty():
+    try:
+      from tqdm import tqdm
+    except ImportError:
+      pass
+    else:
+      return tqdm(iterable, total=total, desc=label, leave=False)
+  return _progress_lines(iterable, total, label)
 
 
-def train(name: str, device_type: str | None, scaled: bool, data, steps: int,
-          batch_size: int = BATCH_SIZE) -> dict[str, Any]:
-  """Trains one variant; returns its summary and per-step curves."""
+def _progress_lines(iterable: Iterable, total: int, label: str) -> Iterator:
+  every = max(1, total // PROGRESS_LINES)
+  start = time.perf_counter()
+  for i, item in enumerate(iterable, 1):
+    yield item
+    if i % every == 0 or i == total:
+      print(
+        f"{label}: step {i}/{total} ({time.perf_counter() - start:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+      )
+
+
+def train(
+  name: str, device_type: str | None, scaled: bool, data, steps: int, batch_size: int = BATCH_SIZE
+) -> dict[str, Any]:
+  """Trains one variant for ``steps`` (at least 1) steps; returns its summary and curves."""
+  if steps < 1:
+    raise ValueError(f"`steps` must be at least 1; got {steps}.")
   x_train, y_train, x_test, y_test = data
   base = optax.adam(1e-3)
   tx = jaxamp.dynamic_loss_scale(base, growth_interval=GROWTH_INTERVAL) if scaled else base
-  init_scale = float(jaxamp.get_scale(tx.init({}))) if scaled else 1.0
+  init_scale = float(jaxamp.scaler.get_scale(tx.init({}))) if scaled else 1.0
   params = MODEL.init(jax.random.key(0), x_train[:1])["params"]
   state = TrainState.create(apply_fn=MODEL.apply, params=params, tx=tx)
   kwargs = autocast_kwargs(device_type)
   step = jax.jit(jaxamp.make_train_step(loss_fn, **kwargs))
-  saved = residual_bytes(jaxamp.autocast(loss_fn, **kwargs), params,
-                         (x_train[:batch_size], y_train[:batch_size]))
+  saved = residual_bytes(
+    jaxamp.autocast(loss_fn, **kwargs), params, (x_train[:batch_size], y_train[:batch_size])
+  )
   rng = np.random.default_rng(1)
   losses, scales, skipped_at, times = [], [], [], []
   for i in _progress(range(steps), steps, name):
@@ -144,11 +172,20 @@ def train(name: str, device_type: str | None, scaled: bool, data, steps: int,
       skipped_at.append(i)
   forward = jax.jit(jaxamp.autocast(lambda p, x: MODEL.apply({"params": p}, x), **kwargs))
   accuracy = float((jnp.argmax(forward(state.params, x_test), -1) == y_test).mean())
-  return {"name": name, "loss": float(np.mean(losses[-LOSS_WINDOW:])), "accuracy": accuracy,
-          "step_ms": 1e3 * float(np.median(times)) if times else float("nan"),
-          "saved_bytes": saved, "skipped": int(metrics["skipped_steps"]), "scale": scales[-1],
-          "scaled": scaled, "init_scale": init_scale, "losses": losses, "scales": scales,
-          "skipped_at": skipped_at}
+  return {
+    "name": name,
+    "loss": float(np.mean(losses[-LOSS_WINDOW:])),
+    "accuracy": accuracy,
+    "step_ms": 1e3 * float(np.median(times)) if times else float("nan"),
+    "saved_bytes": saved,
+    "skipped": int(metrics["skipped_steps"]),
+    "scale": scales[-1],
+    "scaled": scaled,
+    "init_scale": init_scale,
+    "losses": losses,
+    "scales": scales,
+    "skipped_at": skipped_at,
+  }
 
 
 def _smooth(values: list[float], window: int = 20) -> np.ndarray:
@@ -171,20 +208,34 @@ def plot(results: list[dict[str, Any]], out: pathlib.Path) -> pathlib.Path | Non
   for r, style in zip(results, styles, strict=False):
     ax_loss.plot(r["losses"], linewidth=0.5, alpha=0.25, color=style["color"])
     smooth = _smooth(r["losses"])
-    ax_loss.plot(np.arange(len(smooth)) + len(r["losses"]) - len(smooth), smooth,
-                 label=r["name"], linewidth=1.5, **style)
-  ax_loss.set(xlabel="step", ylabel="training loss", yscale="log",
-              title="training loss (20-step running mean)")
+    ax_loss.plot(
+      np.arange(len(smooth)) + len(r["losses"]) - len(smooth),
+      smooth,
+      label=r["name"],
+      linewidth=1.5,
+      **style,
+    )
+  ax_loss.set(
+    xlabel="step",
+    ylabel="training loss",
+    yscale="log",
+    title="training loss (20-step running mean)",
+  )
   ax_loss.legend(fontsize=8)
   for r in (r for r in results if r["scaled"]):
     used = [r["init_scale"], *r["scales"][:-1]]  # the scale each step's gradients were scaled by
     ax_scale.step(range(len(used)), used, where="post", label=r["name"], color="C2")
     if r["skipped_at"]:
-      ax_scale.plot(r["skipped_at"], [used[i] for i in r["skipped_at"]], "rx",
-                    label="skipped step (Inf/NaN gradients)")
+      ax_scale.plot(
+        r["skipped_at"],
+        [used[i] for i in r["skipped_at"]],
+        "rx",
+        label="skipped step (Inf/NaN gradients)",
+      )
     ax_scale.legend(fontsize=8)
-  ax_scale.set(xlabel="step", ylabel="loss scale used by the step", yscale="log",
-               title="dynamic loss scale")
+  ax_scale.set(
+    xlabel="step", ylabel="loss scale used by the step", yscale="log", title="dynamic loss scale"
+  )
   names = [r["name"].replace(" + ", "\n+ ").replace(" (", "\n(") for r in results]
   ax_memory.bar(names, [r["saved_bytes"] / 2**20 for r in results], color=["black", "C1", "C2"])
   ax_memory.set(ylabel="MiB", title=f"saved for the backward pass (batch {BATCH_SIZE})")
@@ -199,23 +250,45 @@ def plot(results: list[dict[str, Any]], out: pathlib.Path) -> pathlib.Path | Non
 
 def print_table(results: list[dict[str, Any]]) -> None:
   """The final table: one row per variant."""
-  print(f"{'variant':46s} {'loss':>9s} {'acc':>6s} {'ms/step':>8s} {'saved for bwd':>14s} "
-        f"{'skipped':>8s} {'scale':>9s}")
+  print(
+    f"{'variant':46s} {'loss':>9s} {'acc':>6s} {'ms/step':>8s} {'saved for bwd':>14s} "
+    f"{'skipped':>8s} {'scale':>9s}"
+  )
   for r in results:
-    print(f"{r['name']:46s} {r['loss']:9.2e} {r['accuracy']:6.3f} {r['step_ms']:8.2f} "
-          f"{r['saved_bytes'] / 2**10:10.0f} KiB {r['skipped']:8d} {r['scale']:9.3g}")
+    print(
+      f"{r['name']:46s} {r['loss']:9.2e} {r['accuracy']:6.3f} {r['step_ms']:8.2f} "
+      f"{r['saved_bytes'] / 2**10:10.0f} KiB {r['skipped']:8d} {r['scale']:9.3g}"
+    )
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be a whole number; got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+  return value
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-  parser = argparse.ArgumentParser(prog="python -m jaxamp.demo",
-                                   description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=2000, help="training steps per variant")
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out"),
-                      help="folder for demo.png")
+  parser = argparse.ArgumentParser(
+    prog="python -m jaxamp.demo",
+    description=__doc__.split("\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+    "--steps", type=_positive_int, default=2000, help="training steps per variant"
+  )
+  parser.add_argument(
+    "--out", type=pathlib.Path, default=pathlib.Path("out"), help="folder for demo.png"
+  )
   args = parser.parse_args(argv)
   sizes = "-".join(str(n) for n in (64, *HIDDEN, 10))
-  print(f"jaxamp demo on {jax.default_backend()}: MLP {sizes} on scikit-learn digits, "
-        f"{args.steps} steps of batch {BATCH_SIZE}")
+  print(
+    f"jaxamp demo on {jax.default_backend()}: MLP {sizes} on scikit-learn digits, "
+    f"{args.steps} steps of batch {BATCH_SIZE}"
+  )
   data = load_digits()
   results = [train(name, device, scaled, data, args.steps) for name, device, scaled in VARIANTS]
   print_table(results)

@@ -30,8 +30,8 @@ OUT_FILE = OUT / "gradscaler_trajectories.json"
 # Nine hyperparameter sets: every (growth, backoff) pair, intervals 1..5. Each set gets four
 # configurations (init scale, injection rate, data seed), so a replay compiles once per set.
 HYPERPARAMETER_SETS = [
-    dict(growth_factor=g, backoff_factor=b, growth_interval=i % 5 + 1)
-    for i, (g, b) in enumerate((g, b) for g in (2.0, 1.1, 16.0) for b in (0.5, 0.3, 0.25))
+  dict(growth_factor=g, backoff_factor=b, growth_interval=i % 5 + 1)
+  for i, (g, b) in enumerate((g, b) for g in (2.0, 1.1, 16.0) for b in (0.5, 0.3, 0.25))
 ]
 # Scales that must appear: float32's max, huge, tiny, subnormal ones that back off to zero.
 _REQUIRED_SCALES = [1e38, 3.4028234e38, 1e-30, 1e-44, 3e-45, 2.0**16, 1.0, 12345.678, 1e-38]
@@ -45,14 +45,16 @@ def make_configs(per_set: int = 4, seed: int = 0) -> list[dict[str, Any]]:
   scales = _REQUIRED_SCALES + [float(rng.choice(_SCALE_POOL)) for _ in range(n)]
   configs = []
   for i in range(n):
-    configs.append(dict(
+    configs.append(
+      dict(
         HYPERPARAMETER_SETS[i % len(HYPERPARAMETER_SETS)],
         init_scale=scales[i],  # the required scales first, one per set
         p_inject=float(rng.choice([0.0, 0.15, 0.3, 0.5])),
         seed=seed * 1000 + i,
         steps=24,
         lr=0.05,
-    ))
+      )
+    )
   return configs
 
 
@@ -71,8 +73,8 @@ def initial_params(seed: int) -> dict[str, np.ndarray]:
   """The model's initial parameters for a configuration."""
   rng = np.random.default_rng(seed)
   return {
-      "W": rng.standard_normal((2, 3)).astype(np.float32),
-      "b": rng.standard_normal(2).astype(np.float32),
+    "W": rng.standard_normal((2, 3)).astype(np.float32),
+    "b": rng.standard_normal(2).astype(np.float32),
   }
 
 
@@ -106,11 +108,11 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
   params = {k: torch.tensor(v, requires_grad=True) for k, v in init.items()}
   opt = torch.optim.SGD(list(params.values()), lr=cfg["lr"])
   scaler = torch.amp.GradScaler(
-      "cpu",
-      init_scale=cfg["init_scale"],
-      growth_factor=cfg["growth_factor"],
-      backoff_factor=cfg["backoff_factor"],
-      growth_interval=cfg["growth_interval"],
+    "cpu",
+    init_scale=cfg["init_scale"],
+    growth_factor=cfg["growth_factor"],
+    backoff_factor=cfg["backoff_factor"],
+    growth_interval=cfg["growth_interval"],
   )
   steps = []
   for step, inject in enumerate(injections(cfg)):
@@ -125,25 +127,27 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     grads = {k: to_hex(p.grad.detach().numpy()) for k, p in params.items()}
     scaler.step(opt)
     found_inf = sum(
-        float(v.item())
-        for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+      float(v.item())
+      for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
     )
     scaler.update()
     scale = scaler._scale.detach().clone()
-    steps.append({
+    steps.append(
+      {
         "grads": grads,
         "found_inf": bool(found_inf > 0),
         "scale": float(scale.item()),
         "scale_hex": to_hex(scale.numpy())[0],
         "growth_tracker": int(scaler._growth_tracker.item()),
         "params": {k: to_hex(p.detach().numpy()) for k, p in params.items()},
-    })
+      }
+    )
   return {
-      "config": cfg,
-      "init_params": {k: to_hex(v) for k, v in init.items()},
-      "injections": injections(cfg),
-      "state_dict": scaler.state_dict(),
-      "steps": steps,
+    "config": cfg,
+    "init_params": {k: to_hex(v) for k, v in init.items()},
+    "injections": injections(cfg),
+    "state_dict": scaler.state_dict(),
+    "steps": steps,
   }
 
 
@@ -154,8 +158,8 @@ def main() -> None:
   import torch
 
   goldens = {
-      "torch_version": torch.__version__,
-      "trajectories": [run_config(c) for c in make_configs()],
+    "torch_version": torch.__version__,
+    "trajectories": [run_config(c) for c in make_configs()],
   }
   args.out.parent.mkdir(parents=True, exist_ok=True)
   text = json.dumps(goldens, indent=None, separators=(",", ":"), allow_nan=False)

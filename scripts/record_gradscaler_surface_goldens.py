@@ -108,7 +108,7 @@ def scale_cases() -> list[dict[str, Any]]:
 
   cases = []
   for i, (scale, dtype, shape) in enumerate(
-      (s, d, sh) for s in SCALE_SCALES for d in SCALE_DTYPES for sh in SCALE_SHAPES
+    (s, d, sh) for s in SCALE_SCALES for d in SCALE_DTYPES for sh in SCALE_SHAPES
   ):
     x = torch.tensor(_values(dtype, shape, i)).to(getattr(torch, dtype))
     scaler = torch.amp.GradScaler("cpu", init_scale=scale)
@@ -133,15 +133,16 @@ def structure_cases() -> list[dict[str, Any]]:
     return torch.tensor(_values(dtype, shape, 100 + seed)).to(getattr(torch, dtype))
 
   inputs = [
-      [t("float32", [], 0), t("float16", [], 1)],
-      (t("float16", [3], 2), t("bfloat16", [], 3), t("float32", [2], 4)),
-      [(t("float16", [], 5), t("bfloat16", [2], 6)), [t("float32", [], 7)]],
+    [t("float32", [], 0), t("float16", [], 1)],
+    (t("float16", [3], 2), t("bfloat16", [], 3), t("float32", [2], 4)),
+    [(t("float16", [], 5), t("bfloat16", [2], 6)), [t("float32", [], 7)]],
   ]
   cases = []
   for x in inputs:
     scaler = torch.amp.GradScaler("cpu")
-    cases.append({"init_scale": 2.0**16, "input": _structure(x),
-                  "output": _structure(scaler.scale(x))})
+    cases.append(
+      {"init_scale": 2.0**16, "input": _structure(x), "output": _structure(scaler.scale(x))}
+    )
   return cases
 
 
@@ -169,23 +170,21 @@ def run_unscale_case(scale: float, dtype: str, poison: str | None, seed: int) ->
   opt = torch.optim.SGD(params, lr=0.1)
   scaler.unscale_(opt)
   found_inf = sum(
-      float(v.item())
-      for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+    float(v.item()) for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
   )
   return {
-      "init_scale": scale,
-      "scale_hex": encode(scaler._scale)["data"][0],
-      "scaled": scaled,
-      "unscaled": [encode(p.grad) for p in params],
-      "found_inf": found_inf > 0,
+    "init_scale": scale,
+    "scale_hex": encode(scaler._scale)["data"][0],
+    "scaled": scaled,
+    "unscaled": [encode(p.grad) for p in params],
+    "found_inf": found_inf > 0,
   }
 
 
 def unscale_cases() -> list[dict[str, Any]]:
   cases = []
   for i, (scale, dtype, poison) in enumerate(
-      (s, d, p) for s in UNSCALE_SCALES for d in ("float32", "bfloat16") for p in (None, "inf",
-                                                                                    "nan")
+    (s, d, p) for s in UNSCALE_SCALES for d in ("float32", "bfloat16") for p in (None, "inf", "nan")
   ):
     cases.append(run_unscale_case(scale, dtype, poison, i))
   return cases
@@ -200,61 +199,119 @@ def unscale_cases() -> list[dict[str, Any]]:
 #             ["load_state_dict", dict].
 
 SCRIPTS = {
-    "update_new_scale_keeps_the_growth_tracker": dict(
-        init=dict(init_scale=8.0, growth_interval=3),
-        ops=[["step", "finite"], ["step", "finite"], ["update_new_scale", 3.5],
-             ["step", "finite"], ["step", "finite"], ["step", "finite"]],
-    ),
-    "update_new_scale_rounds_to_float32": dict(
-        init=dict(init_scale=8.0, growth_interval=2, backoff_factor=0.3),
-        ops=[["update_new_scale", 0.1], ["step", "inf"], ["update_new_scale", 3.4028234e38],
-             ["step", "finite"], ["step", "finite"], ["update_new_scale", 1e-45],
-             ["step", "inf"]],
-    ),
-    "update_new_scale_with_a_0d_float32_tensor": dict(
-        init=dict(init_scale=8.0, growth_interval=2, growth_factor=1.1),
-        ops=[["step", "finite"], ["update_new_scale_tensor", 1234.5678], ["step", "finite"],
-             ["step", "finite"]],
-    ),
-    "setters_take_effect_at_the_next_update": dict(
-        init=dict(init_scale=1024.0, growth_interval=4),
-        ops=[["step", "finite"], ["set_growth_interval", 2], ["step", "finite"],
-             ["set_growth_factor", 1.1], ["step", "finite"], ["step", "finite"],
-             ["set_backoff_factor", 0.3], ["step", "inf"], ["set_growth_factor", 16.0],
-             ["set_growth_interval", 1], ["step", "finite"]],
-    ),
-    "set_growth_interval_below_the_tracker_never_grows_until_an_overflow": dict(
-        init=dict(init_scale=64.0, growth_interval=5),
-        ops=[["step", "finite"], ["step", "finite"], ["step", "finite"],
-             ["set_growth_interval", 2], ["step", "finite"], ["step", "finite"],
-             ["step", "inf"], ["step", "finite"], ["step", "finite"]],
-    ),
-    "load_state_dict_restores_scale_tracker_and_hyperparameters": dict(
-        init=dict(init_scale=2.0**16),
-        ops=[["step", "finite"],
-             ["load_state_dict", {"scale": 100.0, "growth_factor": 1.1, "backoff_factor": 0.3,
-                                  "growth_interval": 2, "_growth_tracker": 1}],
-             ["step", "finite"], ["step", "inf"], ["step", "finite"], ["step", "finite"]],
-    ),
-    "load_state_dict_rounds_the_scale_and_ignores_extra_keys": dict(
-        init=dict(init_scale=2.0**16, growth_interval=3),
-        ops=[["step", "finite"],
-             ["load_state_dict", {"scale": 0.1, "growth_factor": 3.0, "backoff_factor": 0.25,
-                                  "growth_interval": 3, "_growth_tracker": 2, "extra": 7}],
-             ["step", "finite"], ["step", "inf"]],
-    ),
+  "update_new_scale_keeps_the_growth_tracker": dict(
+    init=dict(init_scale=8.0, growth_interval=3),
+    ops=[
+      ["step", "finite"],
+      ["step", "finite"],
+      ["update_new_scale", 3.5],
+      ["step", "finite"],
+      ["step", "finite"],
+      ["step", "finite"],
+    ],
+  ),
+  "update_new_scale_rounds_to_float32": dict(
+    init=dict(init_scale=8.0, growth_interval=2, backoff_factor=0.3),
+    ops=[
+      ["update_new_scale", 0.1],
+      ["step", "inf"],
+      ["update_new_scale", 3.4028234e38],
+      ["step", "finite"],
+      ["step", "finite"],
+      ["update_new_scale", 1e-45],
+      ["step", "inf"],
+    ],
+  ),
+  "update_new_scale_with_a_0d_float32_tensor": dict(
+    init=dict(init_scale=8.0, growth_interval=2, growth_factor=1.1),
+    ops=[
+      ["step", "finite"],
+      ["update_new_scale_tensor", 1234.5678],
+      ["step", "finite"],
+      ["step", "finite"],
+    ],
+  ),
+  "setters_take_effect_at_the_next_update": dict(
+    init=dict(init_scale=1024.0, growth_interval=4),
+    ops=[
+      ["step", "finite"],
+      ["set_growth_interval", 2],
+      ["step", "finite"],
+      ["set_growth_factor", 1.1],
+      ["step", "finite"],
+      ["step", "finite"],
+      ["set_backoff_factor", 0.3],
+      ["step", "inf"],
+      ["set_growth_factor", 16.0],
+      ["set_growth_interval", 1],
+      ["step", "finite"],
+    ],
+  ),
+  "set_growth_interval_below_the_tracker_never_grows_until_an_overflow": dict(
+    init=dict(init_scale=64.0, growth_interval=5),
+    ops=[
+      ["step", "finite"],
+      ["step", "finite"],
+      ["step", "finite"],
+      ["set_growth_interval", 2],
+      ["step", "finite"],
+      ["step", "finite"],
+      ["step", "inf"],
+      ["step", "finite"],
+      ["step", "finite"],
+    ],
+  ),
+  "load_state_dict_restores_scale_tracker_and_hyperparameters": dict(
+    init=dict(init_scale=2.0**16),
+    ops=[
+      ["step", "finite"],
+      [
+        "load_state_dict",
+        {
+          "scale": 100.0,
+          "growth_factor": 1.1,
+          "backoff_factor": 0.3,
+          "growth_interval": 2,
+          "_growth_tracker": 1,
+        },
+      ],
+      ["step", "finite"],
+      ["step", "inf"],
+      ["step", "finite"],
+      ["step", "finite"],
+    ],
+  ),
+  "load_state_dict_rounds_the_scale_and_ignores_extra_keys": dict(
+    init=dict(init_scale=2.0**16, growth_interval=3),
+    ops=[
+      ["step", "finite"],
+      [
+        "load_state_dict",
+        {
+          "scale": 0.1,
+          "growth_factor": 3.0,
+          "backoff_factor": 0.25,
+          "growth_interval": 3,
+          "_growth_tracker": 2,
+          "extra": 7,
+        },
+      ],
+      ["step", "finite"],
+      ["step", "inf"],
+    ],
+  ),
 }
 
 
 def _scaler_state(scaler: Any) -> dict[str, Any]:
   return {
-      "state_dict": scaler.state_dict(),
-      "scale_hex": encode(scaler._scale)["data"][0],
-      "get_scale": scaler.get_scale(),
-      "get_growth_factor": scaler.get_growth_factor(),
-      "get_backoff_factor": scaler.get_backoff_factor(),
-      "get_growth_interval": scaler.get_growth_interval(),
-      "is_enabled": scaler.is_enabled(),
+    "state_dict": scaler.state_dict(),
+    "scale_hex": encode(scaler._scale)["data"][0],
+    "get_scale": scaler.get_scale(),
+    "get_growth_factor": scaler.get_growth_factor(),
+    "get_backoff_factor": scaler.get_backoff_factor(),
+    "get_growth_interval": scaler.get_growth_interval(),
+    "is_enabled": scaler.is_enabled(),
   }
 
 
@@ -289,8 +346,18 @@ def run_script(name: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # The clipping recipe: unscale_, clip_grad_norm_, step, update.
 
-CLIP_CONFIG = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3,
-                   max_norm=25.0, lr=0.01, momentum=0.9, steps=24, seed=3, p_inject=0.25)
+CLIP_CONFIG = dict(
+  init_scale=2.0**16,
+  growth_factor=2.0,
+  backoff_factor=0.5,
+  growth_interval=3,
+  max_norm=25.0,
+  lr=0.01,
+  momentum=0.9,
+  steps=24,
+  seed=3,
+  p_inject=0.25,
+)
 
 
 def clip_batch(seed: int, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -303,8 +370,10 @@ def clip_batch(seed: int, step: int) -> tuple[np.ndarray, np.ndarray]:
 
 def clip_initial_params(seed: int) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(seed)
-  return {"W": rng.standard_normal((2, 3)).astype(np.float32),
-          "b": rng.standard_normal(2).astype(np.float32)}
+  return {
+    "W": rng.standard_normal((2, 3)).astype(np.float32),
+    "b": rng.standard_normal(2).astype(np.float32),
+  }
 
 
 def clip_injections(cfg: dict[str, Any]) -> list[Any]:
@@ -314,8 +383,13 @@ def clip_injections(cfg: dict[str, Any]) -> list[Any]:
   for _ in range(cfg["steps"]):
     if rng.random() < cfg["p_inject"]:
       name = str(rng.choice(["W", "b"]))
-      out.append((name, int(rng.integers(0, 6 if name == "W" else 2)),
-                  str(rng.choice(["inf", "-inf", "nan"]))))
+      out.append(
+        (
+          name,
+          int(rng.integers(0, 6 if name == "W" else 2)),
+          str(rng.choice(["inf", "-inf", "nan"])),
+        )
+      )
     else:
       out.append(None)
   return out
@@ -329,8 +403,12 @@ def run_clip_recipe(cfg: dict[str, Any] = CLIP_CONFIG) -> dict[str, Any]:
   params = {k: torch.tensor(v, requires_grad=True) for k, v in init.items()}
   opt = torch.optim.SGD(list(params.values()), lr=cfg["lr"], momentum=cfg["momentum"])
   scaler = torch.amp.GradScaler(
-      "cpu", init_scale=cfg["init_scale"], growth_factor=cfg["growth_factor"],
-      backoff_factor=cfg["backoff_factor"], growth_interval=cfg["growth_interval"])
+    "cpu",
+    init_scale=cfg["init_scale"],
+    growth_factor=cfg["growth_factor"],
+    backoff_factor=cfg["backoff_factor"],
+    growth_interval=cfg["growth_interval"],
+  )
   steps = []
   for step, inject in enumerate(clip_injections(cfg)):
     x, y = (torch.from_numpy(a) for a in clip_batch(cfg["seed"], step))
@@ -347,12 +425,13 @@ def run_clip_recipe(cfg: dict[str, Any] = CLIP_CONFIG) -> dict[str, Any]:
     total_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), cfg["max_norm"])
     clipped = {k: encode(p.grad.clone()) for k, p in params.items()}
     found_inf = sum(
-        float(v.item())
-        for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+      float(v.item())
+      for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
     )
     scaler.step(opt)
     scaler.update()
-    steps.append({
+    steps.append(
+      {
         "scaled": scaled,
         "unscaled": unscaled,
         "total_norm": encode(total_norm.detach())["data"][0],
@@ -361,10 +440,15 @@ def run_clip_recipe(cfg: dict[str, Any] = CLIP_CONFIG) -> dict[str, Any]:
         "scale_hex": encode(scaler._scale)["data"][0],
         "growth_tracker": int(scaler._growth_tracker.item()),
         "params": {k: encode(p.detach()) for k, p in params.items()},
-    })
-  return {"config": cfg, "init_params": {k: encode(torch.from_numpy(v)) for k, v in init.items()},
-          "injections": clip_injections(cfg), "steps": steps,
-          "state_dict": scaler.state_dict()}
+      }
+    )
+  return {
+    "config": cfg,
+    "init_params": {k: encode(torch.from_numpy(v)) for k, v in init.items()},
+    "injections": clip_injections(cfg),
+    "steps": steps,
+    "state_dict": scaler.state_dict(),
+  }
 
 
 def main() -> None:
@@ -373,13 +457,16 @@ def main() -> None:
   args = parser.parse_args()
   import torch
 
-  dtypes = {"torch_version": torch.__version__, "single": scale_cases(),
-            "structures": structure_cases()}
+  dtypes = {
+    "torch_version": torch.__version__,
+    "single": scale_cases(),
+    "structures": structure_cases(),
+  }
   surface = {
-      "torch_version": torch.__version__,
-      "unscale": unscale_cases(),
-      "scripts": [run_script(name) for name in SCRIPTS],
-      "clip_recipe": run_clip_recipe(),
+    "torch_version": torch.__version__,
+    "unscale": unscale_cases(),
+    "scripts": [run_script(name) for name in SCRIPTS],
+    "clip_recipe": run_clip_recipe(),
   }
   args.out.mkdir(parents=True, exist_ok=True)
   for name, data in ((DTYPES_FILE.name, dtypes), (SURFACE_FILE.name, surface)):

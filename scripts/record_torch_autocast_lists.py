@@ -42,26 +42,26 @@ _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # The lists torch's tests run, and the dtype each expects (``run_as_type``; None: per entry).
 CUDA_LISTS = {
-    "torch_expect_builtin_promote": None,
-    "methods_expect_builtin_promote": None,
-    "torch_fp16": "float16",
-    "torch_fp32": "float32",
-    "torch_need_autocast_promote": "float32",
-    "nn_fp16": "float16",
-    "nn_fp32": "float32",
-    "linalg_fp16": "float16",
-    "methods_fp16": "float16",
-    "methods_fp32": "float32",
-    "banned": "raises",
+  "torch_expect_builtin_promote": None,
+  "methods_expect_builtin_promote": None,
+  "torch_fp16": "float16",
+  "torch_fp32": "float32",
+  "torch_need_autocast_promote": "float32",
+  "nn_fp16": "float16",
+  "nn_fp32": "float32",
+  "linalg_fp16": "float16",
+  "methods_fp16": "float16",
+  "methods_fp32": "float32",
+  "banned": "raises",
 }
 CPU_LISTS = {
-    "torch_expect_builtin_promote": None,
-    "methods_expect_builtin_promote": None,
-    "torch_16": "low",
-    "nn_16": "low",
-    "torch_fp32": "float32",
-    "nn_fp32": "float32",
-    "torch_need_autocast_promote": "float32",
+  "torch_expect_builtin_promote": None,
+  "methods_expect_builtin_promote": None,
+  "torch_16": "low",
+  "nn_16": "low",
+  "torch_fp32": "float32",
+  "nn_fp32": "float32",
+  "torch_need_autocast_promote": "float32",
 }
 
 
@@ -254,17 +254,18 @@ def _describe(value: Any) -> Any:
 def describe(entry: Entry) -> dict[str, Any]:
   """An entry as stored in the golden file (the CPU entries with torch's results)."""
   record = {
-      "id": entry.id,
-      "op": entry.op,
-      "module": "Tensor" if entry.module is None else entry.module.__name__,
-      "args": {mode: _describe(args) for mode, args in entry.calls.items()},
-      "kwargs": _describe(entry.kwargs),
-      "tensors": {mode: [[_dtype_name(t.dtype), list(t.shape)]
-                         for t in tensors((args, entry.unused))]
-                  for mode, args in entry.calls.items()},
-      "expect": entry.expect,
-      "shapes": {mode: result_shapes(entry, mode) for mode in entry.calls},
-      "skipped_by_torch": entry.skipped_by_torch,
+    "id": entry.id,
+    "op": entry.op,
+    "module": "Tensor" if entry.module is None else entry.module.__name__,
+    "args": {mode: _describe(args) for mode, args in entry.calls.items()},
+    "kwargs": _describe(entry.kwargs),
+    "tensors": {
+      mode: [[_dtype_name(t.dtype), list(t.shape)] for t in tensors((args, entry.unused))]
+      for mode, args in entry.calls.items()
+    },
+    "expect": entry.expect,
+    "shapes": {mode: result_shapes(entry, mode) for mode in entry.calls},
+    "skipped_by_torch": entry.skipped_by_torch,
   }
   if entry.device == "cpu":
     results = {}
@@ -284,12 +285,12 @@ def record() -> dict[str, Any]:
     for entry in entries():
       lists[entry.device].setdefault(entry.list_name, []).append(describe(entry))
   return {
-      "generator": "scripts/record_torch_autocast_lists.py",
-      "source": "torch/testing/_internal/autocast_test_lists.py",
-      "torch_version": torch.__version__,
-      "seed": SEED,
-      "cpu_modes": list(CPU_MODES),
-      "lists": lists,
+    "generator": "scripts/record_torch_autocast_lists.py",
+    "source": "torch/testing/_internal/autocast_test_lists.py",
+    "torch_version": torch.__version__,
+    "seed": SEED,
+    "cpu_modes": list(CPU_MODES),
+    "lists": lists,
   }
 
 

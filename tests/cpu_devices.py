@@ -15,11 +15,18 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_script(script: str, devices: int, timeout: int = 300) -> subprocess.CompletedProcess:
   """Runs ``script`` on ``devices`` CPU devices, with this checkout importable."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
+  )
   env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                        timeout=timeout, check=False)
+  return subprocess.run(
+    [sys.executable, "-c", script],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
 
 
 def run_json(script: str, devices: int, timeout: int = 300) -> Any:

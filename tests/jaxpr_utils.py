@@ -58,9 +58,9 @@ def _dtype(atom):
 def dtypes_of(jaxpr, primitive_name: str) -> list[tuple[tuple, tuple]]:
   """(input dtypes, output dtypes) of every ``primitive_name`` eqn anywhere in ``jaxpr``."""
   return [
-      (tuple(_dtype(a) for a in eqn.invars), tuple(_dtype(v) for v in eqn.outvars))
-      for _, eqn in walk(jaxpr)
-      if eqn.primitive.name == primitive_name
+    (tuple(_dtype(a) for a in eqn.invars), tuple(_dtype(v) for v in eqn.outvars))
+    for _, eqn in walk(jaxpr)
+    if eqn.primitive.name == primitive_name
   ]
 
 

@@ -35,9 +35,23 @@ B, D = 4, 8  # batch, features
 LN_EPSILON = 0.1
 
 LEAF_KINDS = (
-    "dense", "conv", "add", "mul", "tanh", "exp_abs", "log1p_abs", "sum", "max", "mean",
-    "softmax", "softmax_hand", "log_softmax", "log_softmax_hand", "standardize",
-    "layer_norm_flax", "layer_norm_hand",
+  "dense",
+  "conv",
+  "add",
+  "mul",
+  "tanh",
+  "exp_abs",
+  "log1p_abs",
+  "sum",
+  "max",
+  "mean",
+  "softmax",
+  "softmax_hand",
+  "log_softmax",
+  "log_softmax_hand",
+  "standardize",
+  "layer_norm_flax",
+  "layer_norm_hand",
 )
 # The leaf kinds that are library composites autocast recognises as one torch op.
 LIBRARY_COMPOSITES = ("softmax", "log_softmax", "layer_norm_flax")
@@ -145,8 +159,9 @@ def _leaf(kind, p, h, smooth):
   if kind == "dense":
     return h @ p["w"] + p["b"]
   if kind == "conv":
-    out = lax.conv_general_dilated(h[:, :, None], p["k"], (1,), "SAME",
-                                   dimension_numbers=("NWC", "WIO", "NWC"))
+    out = lax.conv_general_dilated(
+      h[:, :, None], p["k"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+    )
     return (out + p["b"])[:, :, 0]
   if kind == "add":
     return h + p["p"]
@@ -199,15 +214,22 @@ def _apply_node(node: Node, params, h, flag, smooth):
   run = functools.partial(_run, smooth=smooth)
   body = node.bodies[0]
   if kind == "scan":
+
     def step(carry, x_t):
       out = run(body, params, carry, flag) + x_t
       return out, jnp.tanh(out)
+
     carry, ys = lax.scan(step, h, p["xs"])
     return 0.5 * (carry + jnp.mean(ys, axis=0))
   if kind == "cond":
-    return lax.cond(flag > 0, lambda a: run(body, params, a, flag),
-                    lambda a: run(node.bodies[1], params, a, flag), h)
+    return lax.cond(
+      flag > 0,
+      lambda a: run(body, params, a, flag),
+      lambda a: run(node.bodies[1], params, a, flag),
+      h,
+    )
   if kind == "while":
+
     def cond_fun(state):
       return state[0] < flag + 1
 
@@ -247,18 +269,28 @@ def _apply_node(node: Node, params, h, flag, smooth):
 # Strategies.
 
 
-def _layers(depth: int, min_size: int, max_size: int, allow_while: bool,
-            nested_custom_vjp: bool, exclude: frozenset, top: bool = True):
+def _layers(
+  depth: int,
+  min_size: int,
+  max_size: int,
+  allow_while: bool,
+  nested_custom_vjp: bool,
+  exclude: frozenset,
+  top: bool = True,
+):
   leaf = st.builds(lambda k: (k, ()), st.sampled_from([k for k in LEAF_KINDS if k not in exclude]))
   if depth == 0:
     node = leaf
   else:
-    higher = tuple(k for k in HIGHER_KINDS
-                   if (allow_while or k != "while")
-                   and (top or nested_custom_vjp or k != "custom_vjp"))
+    higher = tuple(
+      k
+      for k in HIGHER_KINDS
+      if (allow_while or k != "while") and (top or nested_custom_vjp or k != "custom_vjp")
+    )
     sub = _layers(depth - 1, 1, 2, allow_while, nested_custom_vjp, exclude, top=False)
     compound = st.tuples(st.sampled_from(higher), st.tuples(sub, sub)).map(
-        lambda t: (t[0], t[1] if t[0] == "cond" else t[1][:1]))
+      lambda t: (t[0], t[1] if t[0] == "cond" else t[1][:1])
+    )
     node = st.one_of(leaf, compound)
   return st.lists(node, min_size=min_size, max_size=max_size)
 
@@ -273,9 +305,17 @@ def _number(raw, counter):
 
 
 @st.composite
-def programs(draw, *, max_layers: int = 5, depth: int = 2, allow_while: bool = True,
-             smooth: bool = False, nested_custom_vjp: bool = True,
-             force_nested_custom_vjp: bool = False, exclude=()) -> Program:
+def programs(
+  draw,
+  *,
+  max_layers: int = 5,
+  depth: int = 2,
+  allow_while: bool = True,
+  smooth: bool = False,
+  nested_custom_vjp: bool = True,
+  force_nested_custom_vjp: bool = False,
+  exclude=(),
+) -> Program:
   """A random program, starting with a dense layer.
 
   Args:
@@ -287,8 +327,7 @@ def programs(draw, *, max_layers: int = 5, depth: int = 2, allow_while: bool = T
     force_nested_custom_vjp: end with a ``custom_vjp`` inside a jit, scan, cond or checkpoint.
     exclude: leaf kinds not to use.
   """
-  raw = draw(_layers(depth, 1, max_layers - 1, allow_while, nested_custom_vjp,
-                     frozenset(exclude)))
+  raw = draw(_layers(depth, 1, max_layers - 1, allow_while, nested_custom_vjp, frozenset(exclude)))
   if force_nested_custom_vjp:
     outer = draw(st.sampled_from(("jit", "scan", "cond", "checkpoint")))
     leaf = draw(st.sampled_from(LEAF_KINDS))
@@ -300,8 +339,9 @@ def programs(draw, *, max_layers: int = 5, depth: int = 2, allow_while: bool = T
   return Program(_number([("dense", ())] + raw, itertools.count()), seed, smooth)
 
 
-def program_with_every_kind(*, allow_while: bool = True, smooth: bool = False,
-                            seed: int = 7, exclude=()) -> Program:
+def program_with_every_kind(
+  *, allow_while: bool = True, smooth: bool = False, seed: int = 7, exclude=()
+) -> Program:
   """One program using every layer kind once, each higher-order kind around two leaves.
 
   Property tests run it as an explicit example, so every kind is covered whatever is drawn.

@@ -63,19 +63,32 @@ def test_is_autocast_available_names_the_policies():
   assert jaxamp.is_autocast_available("cuda")
   assert jaxamp.is_autocast_available("cpu")
   assert jaxamp.is_autocast_available("xpu")
-  assert not jaxamp.is_autocast_available("tpu")
+  assert jaxamp.is_autocast_available("tpu")
+  assert not jaxamp.is_autocast_available("mps")
 
 
-@pytest.mark.parametrize("op", [jnp.exp, jnp.log1p, jnp.sum, jnp.cumsum, lambda x: x ** 2,
-                                lambda x: 1.0 / x, lax.rsqrt, jax.nn.softmax,
-                                jax.nn.log_softmax])
+@pytest.mark.parametrize(
+  "op",
+  [
+    jnp.exp,
+    jnp.log1p,
+    jnp.sum,
+    jnp.cumsum,
+    lambda x: x**2,
+    lambda x: 1.0 / x,
+    lax.rsqrt,
+    jax.nn.softmax,
+    jax.nn.log_softmax,
+  ],
+)
 def test_cuda_float32_list_runs_in_float32(op):
   fun = jaxamp.autocast(lambda x, w: op(jnp.abs(x @ w) + 1.0), device_type="cuda")
   assert fun(X, W).dtype == jnp.float32
 
 
-@pytest.mark.parametrize("op", [jnp.exp, jnp.sum, jax.nn.softmax, jax.nn.log_softmax,
-                                lambda x: x ** 2])
+@pytest.mark.parametrize(
+  "op", [jnp.exp, jnp.sum, jax.nn.softmax, jax.nn.log_softmax, lambda x: x**2]
+)
 def test_cpu_unlisted_ops_stay_in_bfloat16(op):
   fun = jaxamp.autocast(lambda x, w: op(x @ w), device_type="cpu")
   assert fun(X, W).dtype == jnp.bfloat16
@@ -173,8 +186,9 @@ def test_explicit_astype_is_respected():
 
 def test_explicit_preferred_element_type_is_respected():
   def fun(x, w):
-    return lax.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                   preferred_element_type=jnp.float32)
+    return lax.dot(
+      x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+    )
 
   assert jaxamp.autocast(fun, device_type="cpu")(X, W).dtype == jnp.float32
 
@@ -265,8 +279,9 @@ def attention_probs(x, w):
 def test_inserted_casts_point_at_the_source_line_of_the_op_that_needed_them(device_type, low):
   # Profiles and residual listings name the user's line, not the interpreter's.
   jaxpr = jax.make_jaxpr(jaxamp.autocast(attention_probs, device_type=device_type))(X, W).jaxpr
-  casts = [eqn for _, eqn in jaxpr_utils.walk(jaxpr)
-           if eqn.primitive.name == "convert_element_type"]
+  casts = [
+    eqn for _, eqn in jaxpr_utils.walk(jaxpr) if eqn.primitive.name == "convert_element_type"
+  ]
   assert casts
   for eqn in casts:
     files = {file for file, _, _ in compat.traceback_frames(eqn)}
@@ -291,10 +306,11 @@ def test_loop_invariant_casts_are_hoisted_out_of_scan():
 
   jaxpr = jax.make_jaxpr(jaxamp.autocast(fun, device_type="cuda"))(X, W).jaxpr
   scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
-  body_converts = [e for e in scan.params["jaxpr"].jaxpr.eqns
-                   if e.primitive.name == "convert_element_type"]
+  body_converts = [
+    e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive.name == "convert_element_type"
+  ]
   body_sources = {e.invars[0] for e in body_converts}
-  consts = scan.params["jaxpr"].jaxpr.invars[:scan.params["num_consts"]]
+  consts = scan.params["jaxpr"].jaxpr.invars[: scan.params["num_consts"]]
   assert not body_sources & set(consts)  # w is cast before the loop, not in every iteration
 
 
@@ -356,8 +372,10 @@ def test_custom_vjp_rule_survives_and_cotangents_keep_primal_dtypes():
   def f(x, w):
     return jnp.tanh(x @ w)
 
-  f.defvjp(lambda x, w: (f(x, w), (x, w)),
-           lambda res, g: (jnp.full_like(res[0], 3.0), jnp.full_like(res[1], 5.0)))
+  f.defvjp(
+    lambda x, w: (f(x, w), (x, w)),
+    lambda res, g: (jnp.full_like(res[0], 3.0), jnp.full_like(res[1], 5.0)),
+  )
   auto = jaxamp.autocast(lambda x, w: f(x, w).astype(jnp.float32).sum(), device_type="cuda")
   gx, gw = jax.jit(jax.grad(auto, argnums=(0, 1)))(X, W)
   assert gx.dtype == gw.dtype == jnp.float32
@@ -436,8 +454,9 @@ def test_rank_zero_values_do_not_promote_tensors_like_torchs_zero_dim_tensors():
 
 
 def test_relu_backward_keeps_no_float32_copy_of_the_activation():
-  fun = jaxamp.autocast(lambda x, w: jnp.sum(jax.nn.relu(x @ w)).astype(jnp.float32),
-                        device_type="cuda")
+  fun = jaxamp.autocast(
+    lambda x, w: jnp.sum(jax.nn.relu(x @ w)).astype(jnp.float32), device_type="cuda"
+  )
   jaxpr = jax.make_jaxpr(jax.grad(fun, argnums=1))(X, W)
   selects = jaxpr_utils.dtypes_of(jaxpr, "select_n")
   assert selects and all(jnp.float32 not in ins for ins, _ in selects), selects

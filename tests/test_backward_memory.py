@@ -23,13 +23,19 @@ COTANGENT = jax.random.normal(jax.random.key(2), (4, 16, 32))  # a linear loss k
 
 def saved_residuals(fun, *primals) -> list[jax.ShapeDtypeStruct]:
   """The distinct values ``jax.vjp(fun, *primals)`` keeps that are not the primals themselves."""
+
   def residuals(*primals):
     return jax.tree.leaves(jax.vjp(fun, *primals)[1])
 
   jaxpr = jax.make_jaxpr(residuals)(*primals).jaxpr
-  kept = dict.fromkeys(v for v in jaxpr.outvars
-                       if hasattr(v, "aval") and hasattr(v.aval, "dtype") and v not in jaxpr.invars
-                       and type(v).__name__ != "Literal")
+  kept = dict.fromkeys(
+    v
+    for v in jaxpr.outvars
+    if hasattr(v, "aval")
+    and hasattr(v.aval, "dtype")
+    and v not in jaxpr.invars
+    and type(v).__name__ != "Literal"
+  )
   return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in kept]
 
 
@@ -42,8 +48,8 @@ def attention_probs(x, w):
 
 
 OPS = {
-    "softmax": attention_probs,
-    "log_softmax": lambda x, w: jax.nn.log_softmax(x @ w),
+  "softmax": attention_probs,
+  "log_softmax": lambda x, w: jax.nn.log_softmax(x @ w),
 }
 
 

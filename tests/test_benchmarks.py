@@ -20,9 +20,34 @@ sys.path.insert(0, str(BENCHMARKS))
 import common  # noqa: E402
 import run  # noqa: E402
 
-TINY = ["--quick", "--markdown", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq",
-        "8", "--batch", "2", "--vocab", "32", "--conv-batch", "2", "--scaler-params", "0.02",
-        "--scaler-leaves", "4", "--haiku-batch", "2", "--compile-reps", "1", "--step-rounds", "1"]
+TINY = [
+  "--quick",
+  "--markdown",
+  "--layers",
+  "1",
+  "--d-model",
+  "32",
+  "--heads",
+  "2",
+  "--seq",
+  "8",
+  "--batch",
+  "2",
+  "--vocab",
+  "32",
+  "--conv-batch",
+  "2",
+  "--scaler-params",
+  "0.02",
+  "--scaler-leaves",
+  "4",
+  "--haiku-batch",
+  "2",
+  "--compile-reps",
+  "1",
+  "--step-rounds",
+  "1",
+]
 
 GPU_HLO = """
 HloModule jit_train_step
@@ -54,30 +79,43 @@ def quick_report() -> str:
 
 
 def test_quick_run_reports_every_section(quick_report):
-  for heading in ("### transformer LM", "### conv net", "### Haiku ResNet", "### loss scaler",
-                  "### 6. GPU", "### targets"):
+  for heading in (
+    "### transformer LM",
+    "### conv net",
+    "### Haiku ResNet",
+    "### loss scaler",
+    "### 6. GPU",
+    "### targets",
+  ):
     assert heading in quick_report
 
 
 def test_quick_run_rates_every_target(quick_report):
-  targets = quick_report[quick_report.index("### targets"):]
+  targets = quick_report[quick_report.index("### targets") :]
   for model in ("lm", "conv"):
     for metric in ("compile ms", "residual MiB", "step ms", "StableHLO converts", "HLO converts"):
       assert f"| {model} | cpu | {metric} |" in targets
-  for metric in ("compile ms", "residual MiB", "step ms", "jaxpr converts", "StableHLO converts",
-                 "HLO converts"):
+  for metric in (
+    "compile ms",
+    "residual MiB",
+    "step ms",
+    "jaxpr converts",
+    "StableHLO converts",
+    "HLO converts",
+  ):
     assert f"| haiku | cpu | {metric} |" in targets
   assert "| optimizer | - | update ms (adam vs scaler) |" in targets
 
 
 def test_haiku_section_compares_autocast_with_the_jmp_policies(quick_report):
-  section = quick_report[quick_report.index("### Haiku ResNet"):quick_report.index("### loss")]
+  section = quick_report[quick_report.index("### Haiku ResNet") : quick_report.index("### loss")]
   for variant in ("float32", "jmp bfloat16", "autocast cpu", "jmp float16", "autocast cuda"):
     assert f"| {variant} |" in section
-  targets = quick_report[quick_report.index("### targets"):]
+  targets = quick_report[quick_report.index("### targets") :]
   for metric in ("jaxpr converts", "StableHLO converts"):  # regression of issue #12 point 4
-    row = next(line for line in targets.splitlines()
-               if line.startswith(f"| haiku | cpu | {metric} |"))
+    row = next(
+      line for line in targets.splitlines() if line.startswith(f"| haiku | cpu | {metric} |")
+    )
     assert row.endswith("| ok |"), row
 
 
@@ -87,10 +125,12 @@ def test_gpu_section_says_why_it_was_skipped_on_cpu(quick_report):
 
 def test_gemm_conv_and_triton_calls_of_a_gpu_module_are_counted_with_their_dtypes():
   found = common.hlo_matmul_dtypes(GPU_HLO)
-  assert found == {("__cublas$gemm", "f16xf16", "f16"): 1,
-                   ("__cudnn$convForward", "f16xf16", "f16"): 1,
-                   ("fusion:custom", "f16xf16", "f16"): 1,
-                   ("dot", "f16xf16", "f16"): 1}
+  assert found == {
+    ("__cublas$gemm", "f16xf16", "f16"): 1,
+    ("__cudnn$convForward", "f16xf16", "f16"): 1,
+    ("fusion:custom", "f16xf16", "f16"): 1,
+    ("dot", "f16xf16", "f16"): 1,
+  }
 
 
 def test_converts_of_an_hlo_module_are_listed_with_their_dtypes():
@@ -98,9 +138,12 @@ def test_converts_of_an_hlo_module_are_listed_with_their_dtypes():
 
 
 def test_gpu_table_gives_the_speed_up_over_float32_and_the_kernel_dtypes():
-  results = {"lm": {"float32": {"step": 0.02, "step_hlo_matmuls": {("dot", "f32xf32", "f32"): 3}},
-                    "autocast cuda": {"step": 0.01,
-                                      "step_hlo_matmuls": common.hlo_matmul_dtypes(GPU_HLO)}}}
+  results = {
+    "lm": {
+      "float32": {"step": 0.02, "step_hlo_matmuls": {("dot", "f32xf32", "f32"): 3}},
+      "autocast cuda": {"step": 0.01, "step_hlo_matmuls": common.hlo_matmul_dtypes(GPU_HLO)},
+    }
+  }
   table = run.gpu_table(results, markdown=True)
   assert "| lm | autocast cuda | 10.0 | 2.00x | __cublas$gemm f16xf16->f16 x1" in table
   assert "| lm | float32 | 20.0 | 1.00x | dot f32xf32->f32 x3 |" in table
@@ -115,6 +158,7 @@ def test_residual_stats_count_what_the_backward_keeps_apart_from_the_inputs():
 
 def test_stablehlo_converts_are_read_from_lowered_text():
   lowered = jax.jit(lambda x: (x.astype(jnp.bfloat16) * 2).astype(jnp.float32)).lower(
-      jnp.ones((2, 3)))
+    jnp.ones((2, 3))
+  )
   pairs = common.convert_pairs(common.stablehlo_converts(lowered.as_text(debug_info=True)))
   assert pairs == {"f32->bf16": 1, "bf16->f32": 1}

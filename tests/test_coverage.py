@@ -13,8 +13,9 @@ _spec = importlib.util.spec_from_file_location("make_coverage", ROOT / "scripts/
 make_coverage = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_coverage)
 
-needs_reference = pytest.mark.skipif(not make_coverage.REFERENCE.exists(),
-                                     reason="../shared/reference is not beside the repository")
+needs_reference = pytest.mark.skipif(
+  not make_coverage.REFERENCE.exists(), reason="../shared/reference is not beside the repository"
+)
 
 
 def _ops():
@@ -41,3 +42,20 @@ def test_every_op_region_of_a_table_has_an_implementation(device_type):
   for row in policy.get_table(device_type).rows:
     for op in row.ops:
       assert op in library | registered | coverage.NATIVE_PROMOTION, (device_type, op)
+
+
+def test_every_op_of_torch_xlas_tpu_lists_is_realised_in_its_category():
+  # torch's reference has no TPU lists; these are torch_xla's (coverage.TPU_REFERENCE).
+  ops = make_coverage.tpu_ops()
+  assert {category for _, category, _ in ops} == {"lower", "float32", "promote"}
+  for device_type, category, name in ops:
+    assert device_type == "tpu"
+    line = coverage.coverage(device_type, name)
+    assert line.startswith(f"{category}:"), (name, line)
+
+
+@needs_reference
+def test_coverage_document_lists_torch_xlas_tpu_ops():
+  rows = (ROOT / "docs" / "coverage.md").read_text().splitlines()
+  for _, category, name in make_coverage.tpu_ops():
+    assert any(row.startswith(f"| tpu | `{name}` | {category} |") for row in rows), name

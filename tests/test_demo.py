@@ -28,8 +28,7 @@ def test_demo_trains_three_variants_end_to_end(short_run):
 def test_demo_prints_a_table_with_every_column(short_run):
   _, printed, _ = short_run
   header = next(line for line in printed.splitlines() if line.startswith("variant"))
-  assert header.split()[1:] == ["loss", "acc", "ms/step", "saved", "for", "bwd", "skipped",
-                                "scale"]
+  assert header.split()[1:] == ["loss", "acc", "ms/step", "saved", "for", "bwd", "skipped", "scale"]
 
 
 def test_demo_low_precision_variants_save_less_for_the_backward_pass(short_run):
@@ -53,3 +52,27 @@ def test_demo_help_names_its_options(capsys):
   with pytest.raises(SystemExit):
     demo.main(["--help"])
   assert "--steps" in capsys.readouterr().out
+
+
+def test_demo_help_shows_the_defaults(capsys):
+  with pytest.raises(SystemExit):
+    demo.main(["--help"])
+  out = " ".join(capsys.readouterr().out.split())
+  assert "(default: 2000)" in out and "(default: out)" in out
+
+
+@pytest.mark.parametrize("steps", ["0", "-3", "ten"])
+def test_demo_rejects_a_step_count_below_one_with_a_usage_error(steps, capsys):
+  with pytest.raises(SystemExit) as error:
+    demo.main(["--steps", steps])
+  assert error.value.code == 2
+  assert "argument --steps: must be" in capsys.readouterr().err
+
+
+def test_demo_progress_is_plain_lines_when_stderr_is_not_a_terminal(capsys):
+  # capsys's stderr is not a terminal, as a log file or a pipe is not.
+  assert list(demo._progress(range(25), 25, "variant")) == list(range(25))
+  lines = capsys.readouterr().err.splitlines()
+  assert "\r" not in "".join(lines)
+  assert len(lines) == 13  # every 2nd step (a tenth of 25), and the last
+  assert lines[0].startswith("variant: step 2/25 (") and lines[-1].startswith("variant: step 25/25")

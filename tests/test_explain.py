@@ -75,7 +75,7 @@ def test_explain_rejects_bad_input():
   with pytest.raises(TypeError, match="explain takes a callable"):
     jaxamp.explain(3)
   with pytest.raises(ValueError, match="`device_type` must be one of"):
-    jaxamp.explain(model, device_type="tpu")
+    jaxamp.explain(model, device_type="mps")
 
 
 def test_explain_takes_the_non_array_leaves_autocast_takes():

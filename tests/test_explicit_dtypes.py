@@ -16,12 +16,12 @@ X = jax.random.normal(jax.random.key(0), (4, 8))
 W = jax.random.normal(jax.random.key(1), (8, 8)) * 0.3
 DEVICES = ("cuda", "cpu", "xpu")
 REDUCTIONS = {
-    "sum": jnp.sum,
-    "mean": jnp.mean,
-    "cumsum": jnp.cumsum,
-    "prod": jnp.prod,
-    "cumprod": jnp.cumprod,
-    "nansum": jnp.nansum,
+  "sum": jnp.sum,
+  "mean": jnp.mean,
+  "cumsum": jnp.cumsum,
+  "prod": jnp.prod,
+  "cumprod": jnp.cumprod,
+  "nansum": jnp.nansum,
 }
 
 
@@ -52,8 +52,9 @@ def test_without_a_dtype_the_policy_decides(device_type):
 
 @pytest.mark.parametrize("device_type", DEVICES)
 def test_the_callers_preferred_element_type_is_kept(device_type):
-  dot = lambda x, w: lax.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                             preferred_element_type=jnp.float32)
+  dot = lambda x, w: lax.dot(
+    x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+  )
   assert jaxamp.autocast(dot, device_type=device_type)(X, W).dtype == jnp.float32
 
 

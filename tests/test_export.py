@@ -72,8 +72,11 @@ def location(text, line):
 
 def sums(text, scope=""):
   """The element types of every adding ``stablehlo.reduce`` whose location names ``scope``."""
-  return [types for line, types in ops(text, "reduce")
-          if "applies stablehlo.add" in line and scope in location(text, line)]
+  return [
+    types
+    for line, types in ops(text, "reduce")
+    if "applies stablehlo.add" in line and scope in location(text, line)
+  ]
 
 
 # --- the "cuda" policy, exported for CUDA ---------------------------------------------------------

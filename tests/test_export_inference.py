@@ -65,8 +65,9 @@ def dot_types(module_text):
 
 def assert_bitwise_equal(actual, expected):
   assert actual.dtype == expected.dtype and actual.shape == expected.shape
-  np.testing.assert_array_equal(np.asarray(actual).view(np.uint8),
-                                np.asarray(expected).view(np.uint8))
+  np.testing.assert_array_equal(
+    np.asarray(actual).view(np.uint8), np.asarray(expected).view(np.uint8)
+  )
 
 
 def test_serialized_cpu_export_runs_bitwise_like_the_autocast_function():
@@ -92,8 +93,11 @@ def test_cuda_export_is_produced_and_serialized_on_a_cpu_only_machine():
   restored = round_trip(exported("cuda", ("cuda",)))
   assert restored.platforms == ("cuda",)
   assert restored.mlir_module() == exported("cuda", ("cuda",)).mlir_module()
-  with pytest.raises(ValueError, match=r"exported for platforms '\('cuda',\)' but it is used on "
-                                       r"'\('cpu',\)'"):
+  with pytest.raises(
+    ValueError,
+    match=r"exported for platforms '\('cuda',\)' but it is used on "
+    r"'\('cpu',\)'",
+  ):
     restored.call(VARIABLES, X)
 
 
@@ -110,9 +114,12 @@ def test_export_with_weights_baked_in_like_torch_jit_freeze():
   assert_bitwise_equal(restored.call(X), frozen(X))
   # Constant weights compile differently from weight arguments (XLA folds and fuses them), so
   # the frozen program is bitwise its own, and equal to the other one only up to bfloat16 rounding.
-  np.testing.assert_allclose(np.asarray(restored.call(X), np.float32),
-                             np.asarray(inference_fn("cpu")(VARIABLES, X), np.float32),
-                             rtol=2**-7, atol=2**-7)
+  np.testing.assert_allclose(
+    np.asarray(restored.call(X), np.float32),
+    np.asarray(inference_fn("cpu")(VARIABLES, X), np.float32),
+    rtol=2**-7,
+    atol=2**-7,
+  )
 
 
 _LOAD_SCRIPT = """
@@ -135,8 +142,13 @@ def test_serialized_export_runs_in_a_process_without_jaxamp_or_flax(tmp_path):
   np.savez(inputs, **{f"a{i}": np.asarray(x) for i, x in enumerate(leaves)})
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run(
-      [sys.executable, "-c", _LOAD_SCRIPT, str(blob), str(inputs), str(tmp_path / "out.npy")],
-      env=env, capture_output=True, text=True, timeout=120, check=False)
+    [sys.executable, "-c", _LOAD_SCRIPT, str(blob), str(inputs), str(tmp_path / "out.npy")],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
   assert out.returncode == 0, out.stderr
   assert json.loads(out.stdout.strip().splitlines()[-1]) == {"jaxamp": False, "flax": False}
   expected = np.asarray(inference_fn("cpu")(VARIABLES, X))
@@ -144,7 +156,7 @@ def test_serialized_export_runs_in_a_process_without_jaxamp_or_flax(tmp_path):
 
 
 def test_export_with_a_symbolic_batch_dimension():
-  batch, = export.symbolic_shape("batch")
+  (batch,) = export.symbolic_shape("batch")
   spec = jax.ShapeDtypeStruct((batch, 16), jnp.float32)
   restored = round_trip(export.export(inference_fn("cpu"))(VARIABLES, spec))
   for n in (1, 7):

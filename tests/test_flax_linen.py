@@ -17,17 +17,21 @@ import pytest
 
 import jaxamp
 
-POLICIES = [pytest.param("cuda", jnp.float16, id="cuda"),
-            pytest.param("xpu", jnp.float16, id="xpu"),
-            pytest.param("cpu", jnp.bfloat16, id="cpu")]
+POLICIES = [
+  pytest.param("cuda", jnp.float16, id="cuda"),
+  pytest.param("xpu", jnp.float16, id="xpu"),
+  pytest.param("cpu", jnp.bfloat16, id="cpu"),
+]
 F32 = jnp.dtype(jnp.float32)
 VALUE_RTOL = 3e-2  # relative to the largest float32 value
 GRAD_RTOL = 5e-2  # relative to the largest float32 gradient
 KEY = jax.random.key(0)
 
 # Tiny models: compile without XLA's backend optimisations, which cost more than they save here.
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
-                                                   "xla_llvm_disable_expensive_passes": True})
+jit = functools.partial(
+  jax.jit,
+  compiler_options={"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True},
+)
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -74,15 +78,15 @@ TOKENS = jnp.array([[1, 5, 7, 31], [0, 2, 2, 9]])
 
 # name -> (module, input)
 LAYERS = {
-    "dense": (nn.Dense(16), _normal(4, 8)),
-    "conv": (nn.Conv(8, (3, 3)), _normal(2, 8, 8, 3)),
-    "conv_transpose": (nn.ConvTranspose(8, (3, 3), strides=(2, 2)), _normal(2, 6, 6, 3)),
-    "embed_attend": (EmbedAttend(), TOKENS),
-    "layer_norm": (DenseThen(nn.LayerNorm()), _normal(4, 8)),
-    "group_norm": (ConvThen(nn.GroupNorm(num_groups=4)), _normal(2, 6, 6, 3)),
-    "attention": (SelfAttention(), _normal(2, 5, 8)),
-    "lstm": (nn.RNN(nn.LSTMCell(16)), _normal(2, 5, 8)),
-    "gru": (nn.RNN(nn.GRUCell(16)), _normal(2, 5, 8)),
+  "dense": (nn.Dense(16), _normal(4, 8)),
+  "conv": (nn.Conv(8, (3, 3)), _normal(2, 8, 8, 3)),
+  "conv_transpose": (nn.ConvTranspose(8, (3, 3), strides=(2, 2)), _normal(2, 6, 6, 3)),
+  "embed_attend": (EmbedAttend(), TOKENS),
+  "layer_norm": (DenseThen(nn.LayerNorm()), _normal(4, 8)),
+  "group_norm": (ConvThen(nn.GroupNorm(num_groups=4)), _normal(2, 6, 6, 3)),
+  "attention": (SelfAttention(), _normal(2, 5, 8)),
+  "lstm": (nn.RNN(nn.LSTMCell(16)), _normal(2, 5, 8)),
+  "gru": (nn.RNN(nn.GRUCell(16)), _normal(2, 5, 8)),
 }
 # The layers that run dots or convs.
 DOT_LAYERS = ["dense", "conv", "conv_transpose", "embed_attend", "attention", "lstm", "gru"]
@@ -189,8 +193,9 @@ def test_autocast_jaxpr_is_well_typed(name, device_type, low):
 def test_every_dot_and_conv_runs_in_the_low_dtype(name, device_type, low):
   module, x = LAYERS[name]
   jaxpr = jaxpr_utils.traced(autocast_apply(module, device_type), variable_types(name), x)
-  found = (jaxpr_utils.dtypes_of(jaxpr, "dot_general")
-           + jaxpr_utils.dtypes_of(jaxpr, "conv_general_dilated"))
+  found = jaxpr_utils.dtypes_of(jaxpr, "dot_general") + jaxpr_utils.dtypes_of(
+    jaxpr, "conv_general_dilated"
+  )
   assert found
   assert all(ins == (low, low) and outs == (low,) for ins, outs in found), found
 
@@ -200,8 +205,11 @@ def test_every_dot_and_conv_runs_in_the_low_dtype(name, device_type, low):
 def test_rnn_cell_dots_run_in_the_low_dtype_inside_the_scan(name, device_type, low):
   module, x = LAYERS[name]
   jaxpr = jaxpr_utils.traced(autocast_apply(module, device_type), variable_types(name), x)
-  in_scan = [eqn for path, eqn in jaxpr_utils.walk(jaxpr)
-             if eqn.primitive.name == "dot_general" and any(p.startswith("scan:") for p in path)]
+  in_scan = [
+    eqn
+    for path, eqn in jaxpr_utils.walk(jaxpr)
+    if eqn.primitive.name == "dot_general" and any(p.startswith("scan:") for p in path)
+  ]
   assert in_scan
   assert all(v.aval.dtype == low for eqn in in_scan for v in eqn.invars + eqn.outvars)
 
@@ -215,10 +223,12 @@ def test_embedding_lookup_keeps_the_float32_table(device_type, low):
   np.testing.assert_array_equal(out, embed.apply(params, TOKENS))
 
 
-@pytest.mark.parametrize("device_type,low,softmax_out", [("cuda", jnp.float16, F32),
-                                                         ("cpu", jnp.bfloat16, jnp.bfloat16)])
-def test_attention_softmax_computes_in_float32_and_returns_the_torch_dtype(device_type, low,
-                                                                          softmax_out):
+@pytest.mark.parametrize(
+  "device_type,low,softmax_out", [("cuda", jnp.float16, F32), ("cpu", jnp.bfloat16, jnp.bfloat16)]
+)
+def test_attention_softmax_computes_in_float32_and_returns_the_torch_dtype(
+  device_type, low, softmax_out
+):
   # CUDA: softmax is on the float32 list. CPU: unlisted, but torch's kernel accumulates in float32
   # and returns the input's bfloat16.
   module, x = LAYERS["attention"]
@@ -244,9 +254,9 @@ class OffsetDenseThen(nn.Module):
 
 
 NORMS = {
-    "layer_norm": lambda: nn.LayerNorm(),
-    "group_norm": lambda: nn.GroupNorm(num_groups=4),
-    "batch_norm": lambda: nn.BatchNorm(use_running_average=False),  # batch statistics
+  "layer_norm": lambda: nn.LayerNorm(),
+  "group_norm": lambda: nn.GroupNorm(num_groups=4),
+  "batch_norm": lambda: nn.BatchNorm(use_running_average=False),  # batch statistics
 }
 
 
@@ -338,6 +348,7 @@ def test_batch_norm_param_gradients_are_float32_and_close_to_float32(device_type
     def loss(params):
       out, _ = apply({**v, "params": params}, BN_INPUT)
       return jnp.sum(out.astype(jnp.float32) * probe)
+
     return jit(jax.grad(loss))(v["params"])
 
   found = grads(jaxamp.autocast(train, device_type=device_type))
@@ -397,8 +408,10 @@ def test_dropout_masks_differ_between_keys(device_type, low):
 def test_dropout_with_deterministic_false_call_argument(device_type, low):
   dropout = nn.Dropout(0.5)
   x = jnp.ones((64,))
-  f = jaxamp.autocast(lambda x, k: dropout.apply({}, x, deterministic=False, rngs={"dropout": k}),
-                      device_type=device_type)
+  f = jaxamp.autocast(
+    lambda x, k: dropout.apply({}, x, deterministic=False, rngs={"dropout": k}),
+    device_type=device_type,
+  )
   out = jit(f)(x, DROPOUT_KEY)
   assert out.dtype == F32  # dropout is unlisted: a float32 input stays float32
   assert set(np.unique(np.asarray(out)).tolist()) == {0.0, 2.0}

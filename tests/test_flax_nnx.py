@@ -16,9 +16,11 @@ from flax import nnx
 
 import jaxamp
 
-POLICIES = [pytest.param("cuda", jnp.float16, id="cuda"),
-            pytest.param("xpu", jnp.float16, id="xpu"),
-            pytest.param("cpu", jnp.bfloat16, id="cpu")]
+POLICIES = [
+  pytest.param("cuda", jnp.float16, id="cuda"),
+  pytest.param("xpu", jnp.float16, id="xpu"),
+  pytest.param("cpu", jnp.bfloat16, id="cpu"),
+]
 MODES = ["eager", "nnx_jit"]
 F32 = jnp.dtype(jnp.float32)
 VALUE_RTOL = 3e-2  # relative to the largest float32 value
@@ -81,10 +83,10 @@ def call(mode, model, x, device_type):
 def snapshot(model) -> dict:
   """The model's parameters, BatchNorm statistics and dropout RNG count, as plain arrays."""
   return {
-      "params": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-      "mean": model.batch_norm.mean[...],
-      "var": model.batch_norm.var[...],
-      "count": int(model.dropout.rngs.count[...]),
+    "params": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    "mean": model.batch_norm.mean[...],
+    "var": model.batch_norm.var[...],
+    "count": int(model.dropout.rngs.count[...]),
   }
 
 
@@ -122,13 +124,17 @@ def batch_stats(snap):
 def test_linear_and_conv_outputs_are_low_dtype(mode, device_type, low):
   out, _, _ = run(mode, device_type)
   assert {k: out[k].dtype for k in ("conv", "linear", "head")} == dict.fromkeys(
-      ("conv", "linear", "head"), jnp.dtype(low))
+    ("conv", "linear", "head"), jnp.dtype(low)
+  )
 
 
-@pytest.mark.parametrize("device_type,low,expected", [
+@pytest.mark.parametrize(
+  "device_type,low,expected",
+  [
     pytest.param("cuda", jnp.float16, F32, id="cuda"),  # layer_norm is on CUDA's float32 list
     pytest.param("cpu", jnp.bfloat16, jnp.bfloat16, id="cpu"),
-])
+  ],
+)
 def test_layer_norm_output_has_torch_dtype(device_type, low, expected):
   out, _, _ = run("nnx_jit", device_type)
   assert out["layer_norm"].dtype == expected
@@ -157,8 +163,9 @@ def test_every_dot_and_conv_runs_in_the_low_dtype(device_type, low):
     return nnx.merge(graphdef, state)(x)
 
   jaxpr = jaxpr_utils.traced(jaxamp.autocast(forward, device_type=device_type), state, X)
-  found = (jaxpr_utils.dtypes_of(jaxpr, "dot_general")
-           + jaxpr_utils.dtypes_of(jaxpr, "conv_general_dilated"))
+  found = jaxpr_utils.dtypes_of(jaxpr, "dot_general") + jaxpr_utils.dtypes_of(
+    jaxpr, "conv_general_dilated"
+  )
   assert len(found) == 3  # conv, linear, head
   assert all(ins == (low, low) and outs == (low,) for ins, outs in found), found
 

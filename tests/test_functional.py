@@ -28,13 +28,19 @@ NAMES = sorted(CASES)
 
 # ``F`` and ``torch`` in the stored expressions, seen from JAX.
 JAX_TORCH = types.SimpleNamespace(
-    **{name: getattr(functional, name) for name in functional.__all__},
-    float32=jnp.float32,
-    float16=jnp.float16,
-    bfloat16=jnp.bfloat16,
+  **{name: getattr(functional, name) for name in functional.__all__},
+  float32=jnp.float32,
+  float16=jnp.float16,
+  bfloat16=jnp.bfloat16,
 )
-_JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "int64": jnp.int32,
-               "bool": jnp.bool_, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_JAX_DTYPES = {
+  "float32": jnp.float32,
+  "float64": jnp.float64,
+  "int64": jnp.int32,
+  "bool": jnp.bool_,
+  "bfloat16": jnp.bfloat16,
+  "float16": jnp.float16,
+}
 
 # Region name of every public function (the torch op it realises).
 REGION_NAMES = {name: name for name in functional.__all__}
@@ -82,8 +88,6 @@ def assert_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-5) -> No
   np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol * scale)
 
 
-
-
 def _first_float_input(case: dict) -> str:
   return next(n for n, s in case["inputs"].items() if s["dtype"] in ("low", "float32"))
 
@@ -127,11 +131,15 @@ def test_gradient_matches_torch(name):
 # --- dtypes ------------------------------------------------------------------------------------
 
 # One case per function whose float inputs are all 16-bit and that torch runs in bfloat16.
-_LOW_ONLY = sorted({
-    CASES[n]["expr"].split("(")[0]: n for n in reversed(NAMES)
+_LOW_ONLY = sorted(
+  {
+    CASES[n]["expr"].split("(")[0]: n
+    for n in reversed(NAMES)
     if all(s["dtype"] != "float32" for s in CASES[n]["inputs"].values())
-    and "dtype=" not in CASES[n]["expr"] and "error" not in CASES[n]["results"]["bfloat16"]
-}.values())
+    and "dtype=" not in CASES[n]["expr"]
+    and "error" not in CASES[n]["results"]["bfloat16"]
+  }.values()
+)
 
 
 @pytest.mark.parametrize("name", _LOW_ONLY)
@@ -161,23 +169,23 @@ def _example_args(name: str) -> tuple:
   t = jnp.array([0, 2, 1, 5])
   sign = jnp.array([1.0, -1.0, 1.0, -1.0])
   special = {
-      "cross_entropy": (x, t),
-      "bilinear": (x, x, jnp.ones((3, 6, 6))),
-      "nll_loss": (x, t),
-      "multi_margin_loss": (x, t),
-      "multilabel_margin_loss": (x, jnp.array([[0, 1, -1, 0, 0, 0]] * 4)),
-      "cosine_embedding_loss": (x, x + 1, sign),
-      "hinge_embedding_loss": (x[:, 0], sign),
-      "margin_ranking_loss": (x[:, 0], x[:, 1], sign),
-      "triplet_margin_loss": (x, x + 1, x - 1),
-      "layer_norm": (x, (6,)),
-      "group_norm": (x.reshape(2, 4, 3), 2),
-      "prelu": (x, jnp.array([0.25])),
-      "renorm": (x, 2, 0, 1.0),
-      "softmax": (x, 1),
-      "log_softmax": (x, 1),
-      "softmin": (x, 1),
-      "binary_cross_entropy": (jax.nn.sigmoid(x), jnp.zeros_like(x)),
+    "cross_entropy": (x, t),
+    "bilinear": (x, x, jnp.ones((3, 6, 6))),
+    "nll_loss": (x, t),
+    "multi_margin_loss": (x, t),
+    "multilabel_margin_loss": (x, jnp.array([[0, 1, -1, 0, 0, 0]] * 4)),
+    "cosine_embedding_loss": (x, x + 1, sign),
+    "hinge_embedding_loss": (x[:, 0], sign),
+    "margin_ranking_loss": (x[:, 0], x[:, 1], sign),
+    "triplet_margin_loss": (x, x + 1, x - 1),
+    "layer_norm": (x, (6,)),
+    "group_norm": (x.reshape(2, 4, 3), 2),
+    "prelu": (x, jnp.array([0.25])),
+    "renorm": (x, 2, 0, 1.0),
+    "softmax": (x, 1),
+    "log_softmax": (x, 1),
+    "softmin": (x, 1),
+    "binary_cross_entropy": (jax.nn.sigmoid(x), jnp.zeros_like(x)),
   }
   if name in special:
     return special[name]
@@ -199,14 +207,19 @@ def test_is_registered_op_region(name):
 
 
 def _static_argnums(name: str) -> tuple[int, ...]:
-  return {"layer_norm": (1,), "group_norm": (1,), "renorm": (1, 2, 3), "softmax": (1,),
-          "log_softmax": (1,), "softmin": (1,)}.get(name, ())
+  return {
+    "layer_norm": (1,),
+    "group_norm": (1,),
+    "renorm": (1, 2, 3),
+    "softmax": (1,),
+    "log_softmax": (1,),
+    "softmin": (1,),
+  }.get(name, ())
 
 
 @pytest.mark.parametrize(
-    "fn",
-    [functional.mse_loss, functional.l1_loss, functional.smooth_l1_loss,
-     functional.soft_margin_loss],
+  "fn",
+  [functional.mse_loss, functional.l1_loss, functional.smooth_l1_loss, functional.soft_margin_loss],
 )
 def test_invalid_reduction_raises(fn):
   x = jnp.ones((2, 3))

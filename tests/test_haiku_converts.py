@@ -70,10 +70,14 @@ def train_step_jaxpr(variant: str):
   step = jax.value_and_grad(loss, has_aux=True)
   if variant != "jmp":
     return traced(step, params, state)
-  with (hk.mixed_precision.push_policy(
-            Net, jmp.get_policy("params=float32,compute=bfloat16,output=float32")),
-        hk.mixed_precision.push_policy(
-            hk.BatchNorm, jmp.get_policy("params=float32,compute=float32,output=bfloat16"))):
+  with (
+    hk.mixed_precision.push_policy(
+      Net, jmp.get_policy("params=float32,compute=bfloat16,output=float32")
+    ),
+    hk.mixed_precision.push_policy(
+      hk.BatchNorm, jmp.get_policy("params=float32,compute=float32,output=bfloat16")
+    ),
+  ):
     return traced(step, params, state)
 
 
@@ -97,5 +101,6 @@ def test_batch_norm_rsqrt_runs_in_float32_and_convs_in_bfloat16(jaxprs):
   assert all(ins == (jnp.float32,) and outs == (jnp.float32,) for ins, outs in rsqrts), rsqrts
   convs = dtypes_of(jaxprs["autocast"], "conv_general_dilated")
   assert len(convs) >= 7  # 7 forward convs, plus their gradients
-  assert all(ins == (jnp.bfloat16, jnp.bfloat16) and outs == (jnp.bfloat16,)
-             for ins, outs in convs), convs
+  assert all(
+    ins == (jnp.bfloat16, jnp.bfloat16) and outs == (jnp.bfloat16,) for ins, outs in convs
+  ), convs

@@ -14,16 +14,20 @@ W = jnp.ones((8, 8)) * 0.1
 KERNEL = jnp.ones((3, 3, 8, 8)) * 0.1
 
 # (device_type, dot/conv dtype, dtype exp runs in when fed by a dot)
-POLICIES = [("cuda", jnp.float16, jnp.float32), ("xpu", jnp.float16, jnp.float32),
-            ("cpu", jnp.bfloat16, jnp.bfloat16)]
+POLICIES = [
+  ("cuda", jnp.float16, jnp.float32),
+  ("xpu", jnp.float16, jnp.float32),
+  ("cpu", jnp.bfloat16, jnp.bfloat16),
+]
 
 
 def block(x, w):
   """A dot, a conv, an exp and a reduction."""
   h = x @ w
   image = h.reshape(1, 4, 8, 1).repeat(8, axis=3)
-  c = lax.conv_general_dilated(image, KERNEL, (1, 1), "SAME",
-                               dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  c = lax.conv_general_dilated(
+    image, KERNEL, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
   return jnp.exp(h) + jnp.sum(h) + jnp.sum(c)
 
 
@@ -46,26 +50,28 @@ def _shard_map(fun):
 
 def _closed_call(fun):
   """A closed_call eqn (no public API makes one; jax.extend exposes the primitive)."""
+
   def call(*args):
     closed = jax.make_jaxpr(fun)(*args)
     prim = jax.extend.core.primitives.closed_call_p
     return prim.bind(*args, **prim.get_bind_params({"call_jaxpr": closed}))[0]
+
   return call
 
 
 HIGHER_ORDER = {
-    "jit": lambda x, w: jax.jit(block)(x, w),
-    "closed_call": lambda x, w: _closed_call(block)(x, w),
-    "scan": lambda x, w: lax.scan(lambda c, _: (c, block(c, w)), x, None, length=2)[1].sum(0),
-    "while": lambda x, w: lax.while_loop(lambda s: s[0] < 2,
-                                         lambda s: (s[0] + 1, block(s[1], w) * 0 + s[1]),
-                                         (0, x))[1],
-    "cond": lambda x, w: lax.cond(x.sum() > 0, block, lambda a, b: a, x, w),
-    "switch": lambda x, w: lax.switch(1, [lambda a, b: a, block], x, w),
-    "remat": lambda x, w: jax.checkpoint(block)(x, w),
-    "custom_jvp": lambda x, w: _custom_jvp_block()(x, w),
-    "custom_vjp": lambda x, w: _custom_vjp_block()(x, w),
-    "shard_map": lambda x, w: _shard_map(block)(x, w),
+  "jit": lambda x, w: jax.jit(block)(x, w),
+  "closed_call": lambda x, w: _closed_call(block)(x, w),
+  "scan": lambda x, w: lax.scan(lambda c, _: (c, block(c, w)), x, None, length=2)[1].sum(0),
+  "while": lambda x, w: lax.while_loop(
+    lambda s: s[0] < 2, lambda s: (s[0] + 1, block(s[1], w) * 0 + s[1]), (0, x)
+  )[1],
+  "cond": lambda x, w: lax.cond(x.sum() > 0, block, lambda a, b: a, x, w),
+  "switch": lambda x, w: lax.switch(1, [lambda a, b: a, block], x, w),
+  "remat": lambda x, w: jax.checkpoint(block)(x, w),
+  "custom_jvp": lambda x, w: _custom_jvp_block()(x, w),
+  "custom_vjp": lambda x, w: _custom_vjp_block()(x, w),
+  "shard_map": lambda x, w: _shard_map(block)(x, w),
 }
 
 

@@ -45,7 +45,9 @@ def ops_traced(fun, *args) -> set[str]:
 def linen(module, *args, mutable=False):
   variables = module.init(KEY, *args)
   return lambda v, *a: module.apply(v, *a, mutable=["batch_stats"] if mutable else False), (
-      variables, *args)
+    variables,
+    *args,
+  )
 
 
 def nnx_call(module, *args):
@@ -64,8 +66,9 @@ def haiku(layer, *args, with_state=False):
 
 def eqx_batch_norm(x):
   # mode="ema" fails on bfloat16 inputs with or without autocast (lax.select of f32 and bf16).
-  norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(x.shape[-1], axis_name="batch",
-                                                         mode="batch")
+  norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+    x.shape[-1], axis_name="batch", mode="batch"
+  )
   return lambda x, s: jax.vmap(lambda r: norm(r, s)[0], axis_name="batch")(x), (x, state)
 
 
@@ -77,90 +80,113 @@ QKV = (x_of(1, 3, 2, 4),) * 3
 
 # (module, attribute path) of every entry -> a function calling it and its arguments.
 EXAMPLES = {
-    ("jax.nn", "softmax"): (jax.nn.softmax, (X,)),
-    ("jax.nn", "log_softmax"): (jax.nn.log_softmax, (X,)),
-    ("jax.nn", "softplus"): (jax.nn.softplus, (X,)),
-    ("jax.nn", "dot_product_attention"): (jax.nn.dot_product_attention, QKV),
-    ("jax.nn", "gelu"): (jax.nn.gelu, (X,)),
-    ("jax.nn", "silu"): (jax.nn.silu, (X,)),
-    ("jax.nn", "elu"): (jax.nn.elu, (X,)),
-    ("jax.nn", "celu"): (jax.nn.celu, (X,)),
-    ("jax.nn", "selu"): (jax.nn.selu, (X,)),
-    ("jax.nn", "log_sigmoid"): (jax.nn.log_sigmoid, (X,)),
-    ("jax.nn", "mish"): (jax.nn.mish, (X,)),
-    ("jax.nn", "glu"): (jax.nn.glu, (X,)),
-    ("jax.scipy.special", "logsumexp"): (jax.nn.logsumexp, (X,)),
-    ("jax.numpy", "tensordot"): (lambda a: jnp.tensordot(a, a.T, 1), (X,)),
-    ("jax.numpy", "cross"): (lambda a: jnp.cross(a, a[::-1]), (x_of(3),)),
-    ("jax.numpy", "trace"): (jnp.trace, (spd(),)),
-    (library_ops._LAX_NUMPY, "_pad_symmetric_or_reflect"):
-        (lambda a: jnp.pad(a, 1, mode="reflect"), (X,)),
-    (library_ops._LAX_NUMPY, "_pad_edge"): (lambda a: jnp.pad(a, 1, mode="edge"), (X,)),
-    ("jax.numpy.linalg", "norm"): (jnp.linalg.norm, (X,)),
-    ("jax.numpy.linalg", "pinv"): (jnp.linalg.pinv, (X,)),
-    ("jax.numpy.linalg", "inv"): (jnp.linalg.inv, (spd(),)),
-    ("jax.numpy.linalg", "solve"): (jnp.linalg.solve, (spd(), x_of(3))),
-    ("jax.numpy.linalg", "tensorinv"): (lambda a: jnp.linalg.tensorinv(a.reshape(2, 2, 4), 2),
-                                        (spd(4),)),
-    ("jax.numpy.linalg", "tensorsolve"): (lambda a, b: jnp.linalg.tensorsolve(a.reshape(2, 2, 4),
-                                                                             b.reshape(2, 2)),
-                                          (spd(4), x_of(4))),
-    ("jax.numpy.linalg", "lstsq"): (lambda a, b: jnp.linalg.lstsq(a, b)[0], (spd(), x_of(3))),
-    ("jax.numpy", "sum"): (jnp.sum, (X,)),
-    ("jax.numpy", "prod"): (jnp.prod, (X,)),
-    ("jax.numpy", "mean"): (jnp.mean, (X,)),
-    ("jax.numpy", "cumsum"): (jnp.cumsum, (X,)),
-    ("jax.numpy", "cumprod"): (jnp.cumprod, (X,)),
-    ("jax.numpy", "quantile"): (lambda a: jnp.quantile(a, 0.5), (X,)),
-    ("jax.numpy", "nanquantile"): (lambda a: jnp.nanquantile(a, 0.5), (X,)),
-    ("optax.losses", "sigmoid_binary_cross_entropy"):
-        (optax.losses.sigmoid_binary_cross_entropy, (LOGITS, LABELS)),
-    ("optax.losses", "softmax_cross_entropy"): (optax.losses.softmax_cross_entropy,
-                                                (LOGITS, LABELS)),
-    ("optax.losses", "safe_softmax_cross_entropy"): (optax.losses.safe_softmax_cross_entropy,
-                                                     (LOGITS, LABELS)),
-    ("optax.losses", "softmax_cross_entropy_with_integer_labels"):
-        (optax.losses.softmax_cross_entropy_with_integer_labels, (LOGITS, INT_LABELS)),
-    ("optax.losses", "kl_divergence"): (optax.losses.kl_divergence,
-                                        (jax.nn.log_softmax(LOGITS), LABELS)),
-    ("optax.losses", "kl_divergence_with_log_targets"):
-        (optax.losses.kl_divergence_with_log_targets, (jax.nn.log_softmax(LOGITS),) * 2),
-    ("optax.losses", "ctc_loss"): (optax.losses.ctc_loss, CTC),
-    ("optax.losses", "ctc_loss_with_forward_probs"):
-        (lambda *a: optax.losses.ctc_loss_with_forward_probs(*a)[0], CTC),
-    ("optax.losses", "multiclass_hinge_loss"): (optax.losses.multiclass_hinge_loss,
-                                                (LOGITS, INT_LABELS)),
-    ("optax.losses", "squared_error"): (optax.losses.squared_error, (X, X * 0.5)),
-    ("optax.losses", "l2_loss"): (optax.losses.l2_loss, (X, X * 0.5)),
-    ("optax.losses", "huber_loss"): (optax.losses.huber_loss, (X, X * 0.5)),
-    ("optax.losses", "cosine_similarity"): (optax.losses.cosine_similarity, (X, X[::-1])),
-    ("optax.losses", "triplet_margin_loss"): (optax.losses.triplet_margin_loss,
-                                              (X, X * 0.5, X[::-1])),
-    ("flax.linen", "LayerNorm.__call__"): linen(nn.LayerNorm(), X),
-    ("flax.linen", "GroupNorm.__call__"): linen(nn.GroupNorm(num_groups=2), X),
-    ("flax.linen", "BatchNorm.__call__"): linen(nn.BatchNorm(use_running_average=False), X,
-                                                mutable=True),
-    ("flax.linen", "RMSNorm.__call__"): linen(nn.RMSNorm(), X),
-    ("flax.linen", "InstanceNorm.__call__"): linen(nn.InstanceNorm(), x_of(2, 3, 4)),
-    ("flax.linen", "PReLU.__call__"): linen(nn.PReLU(), X),
-    ("flax.nnx", "LayerNorm.__call__"): nnx_call(nnx.LayerNorm(4, rngs=nnx.Rngs(0)), X),
-    ("flax.nnx", "GroupNorm.__call__"): nnx_call(nnx.GroupNorm(4, num_groups=2,
-                                                               rngs=nnx.Rngs(0)), X),
-    ("flax.nnx", "BatchNorm.__call__"): nnx_call(nnx.BatchNorm(4, rngs=nnx.Rngs(0)), X),
-    ("flax.nnx", "RMSNorm.__call__"): nnx_call(nnx.RMSNorm(4, rngs=nnx.Rngs(0)), X),
-    ("flax.nnx", "InstanceNorm.__call__"): nnx_call(nnx.InstanceNorm(4, rngs=nnx.Rngs(0)),
-                                                    x_of(2, 3, 4)),
-    ("flax.nnx", "PReLU.__call__"): nnx_call(nnx.PReLU(), X),
-    ("haiku", "LayerNorm.__call__"): haiku(lambda x: hk.LayerNorm(-1, True, True)(x), X),
-    ("haiku", "GroupNorm.__call__"): haiku(lambda x: hk.GroupNorm(2)(x), x_of(2, 3, 4)),
-    ("haiku", "BatchNorm.__call__"):
-        haiku(lambda x: hk.BatchNorm(True, True, 0.9)(x, is_training=True), X, with_state=True),
-    ("haiku", "RMSNorm.__call__"): haiku(lambda x: hk.RMSNorm(-1)(x), X),
-    ("equinox.nn", "LayerNorm.__call__"): (eqx.nn.LayerNorm(4), (V,)),
-    ("equinox.nn", "GroupNorm.__call__"): (eqx.nn.GroupNorm(2, 4), (x_of(4, 3),)),
-    ("equinox.nn", "BatchNorm.__call__"): eqx_batch_norm(X),
-    ("equinox.nn", "RMSNorm.__call__"): (eqx.nn.RMSNorm(4), (V,)),
-    ("equinox.nn", "PReLU.__call__"): (eqx.nn.PReLU(), (V,)),
+  ("jax.nn", "softmax"): (jax.nn.softmax, (X,)),
+  ("jax.nn", "log_softmax"): (jax.nn.log_softmax, (X,)),
+  ("jax.nn", "softplus"): (jax.nn.softplus, (X,)),
+  ("jax.nn", "dot_product_attention"): (jax.nn.dot_product_attention, QKV),
+  ("jax.nn", "gelu"): (jax.nn.gelu, (X,)),
+  ("jax.nn", "silu"): (jax.nn.silu, (X,)),
+  ("jax.nn", "elu"): (jax.nn.elu, (X,)),
+  ("jax.nn", "celu"): (jax.nn.celu, (X,)),
+  ("jax.nn", "selu"): (jax.nn.selu, (X,)),
+  ("jax.nn", "log_sigmoid"): (jax.nn.log_sigmoid, (X,)),
+  ("jax.nn", "mish"): (jax.nn.mish, (X,)),
+  ("jax.nn", "glu"): (jax.nn.glu, (X,)),
+  ("jax.nn", "relu"): (jax.nn.relu, (X,)),
+  ("jax.scipy.special", "logsumexp"): (jax.nn.logsumexp, (X,)),
+  ("jax.numpy", "tensordot"): (lambda a: jnp.tensordot(a, a.T, 1), (X,)),
+  ("jax.numpy", "cross"): (lambda a: jnp.cross(a, a[::-1]), (x_of(3),)),
+  ("jax.numpy", "trace"): (jnp.trace, (spd(),)),
+  (library_ops._LAX_NUMPY, "_pad_symmetric_or_reflect"): (
+    lambda a: jnp.pad(a, 1, mode="reflect"),
+    (X,),
+  ),
+  (library_ops._LAX_NUMPY, "_pad_edge"): (lambda a: jnp.pad(a, 1, mode="edge"), (X,)),
+  ("jax.numpy.linalg", "norm"): (jnp.linalg.norm, (X,)),
+  ("jax.numpy.linalg", "pinv"): (jnp.linalg.pinv, (X,)),
+  ("jax.numpy.linalg", "inv"): (jnp.linalg.inv, (spd(),)),
+  ("jax.numpy.linalg", "solve"): (jnp.linalg.solve, (spd(), x_of(3))),
+  ("jax.numpy.linalg", "tensorinv"): (
+    lambda a: jnp.linalg.tensorinv(a.reshape(2, 2, 4), 2),
+    (spd(4),),
+  ),
+  ("jax.numpy.linalg", "tensorsolve"): (
+    lambda a, b: jnp.linalg.tensorsolve(a.reshape(2, 2, 4), b.reshape(2, 2)),
+    (spd(4), x_of(4)),
+  ),
+  ("jax.numpy.linalg", "lstsq"): (lambda a, b: jnp.linalg.lstsq(a, b)[0], (spd(), x_of(3))),
+  ("jax.numpy", "sum"): (jnp.sum, (X,)),
+  ("jax.numpy", "prod"): (jnp.prod, (X,)),
+  ("jax.numpy", "mean"): (jnp.mean, (X,)),
+  ("jax.numpy", "cumsum"): (jnp.cumsum, (X,)),
+  ("jax.numpy", "cumprod"): (jnp.cumprod, (X,)),
+  ("jax.numpy", "quantile"): (lambda a: jnp.quantile(a, 0.5), (X,)),
+  ("jax.numpy", "nanquantile"): (lambda a: jnp.nanquantile(a, 0.5), (X,)),
+  ("optax.losses", "sigmoid_binary_cross_entropy"): (
+    optax.losses.sigmoid_binary_cross_entropy,
+    (LOGITS, LABELS),
+  ),
+  ("optax.losses", "softmax_cross_entropy"): (optax.losses.softmax_cross_entropy, (LOGITS, LABELS)),
+  ("optax.losses", "safe_softmax_cross_entropy"): (
+    optax.losses.safe_softmax_cross_entropy,
+    (LOGITS, LABELS),
+  ),
+  ("optax.losses", "softmax_cross_entropy_with_integer_labels"): (
+    optax.losses.softmax_cross_entropy_with_integer_labels,
+    (LOGITS, INT_LABELS),
+  ),
+  ("optax.losses", "kl_divergence"): (
+    optax.losses.kl_divergence,
+    (jax.nn.log_softmax(LOGITS), LABELS),
+  ),
+  ("optax.losses", "kl_divergence_with_log_targets"): (
+    optax.losses.kl_divergence_with_log_targets,
+    (jax.nn.log_softmax(LOGITS),) * 2,
+  ),
+  ("optax.losses", "ctc_loss"): (optax.losses.ctc_loss, CTC),
+  ("optax.losses", "ctc_loss_with_forward_probs"): (
+    lambda *a: optax.losses.ctc_loss_with_forward_probs(*a)[0],
+    CTC,
+  ),
+  ("optax.losses", "multiclass_hinge_loss"): (
+    optax.losses.multiclass_hinge_loss,
+    (LOGITS, INT_LABELS),
+  ),
+  ("optax.losses", "squared_error"): (optax.losses.squared_error, (X, X * 0.5)),
+  ("optax.losses", "l2_loss"): (optax.losses.l2_loss, (X, X * 0.5)),
+  ("optax.losses", "huber_loss"): (optax.losses.huber_loss, (X, X * 0.5)),
+  ("optax.losses", "cosine_similarity"): (optax.losses.cosine_similarity, (X, X[::-1])),
+  ("optax.losses", "triplet_margin_loss"): (
+    optax.losses.triplet_margin_loss,
+    (X, X * 0.5, X[::-1]),
+  ),
+  ("flax.linen", "LayerNorm.__call__"): linen(nn.LayerNorm(), X),
+  ("flax.linen", "GroupNorm.__call__"): linen(nn.GroupNorm(num_groups=2), X),
+  ("flax.linen", "BatchNorm.__call__"): linen(
+    nn.BatchNorm(use_running_average=False), X, mutable=True
+  ),
+  ("flax.linen", "RMSNorm.__call__"): linen(nn.RMSNorm(), X),
+  ("flax.linen", "InstanceNorm.__call__"): linen(nn.InstanceNorm(), x_of(2, 3, 4)),
+  ("flax.linen", "PReLU.__call__"): linen(nn.PReLU(), X),
+  ("flax.nnx", "LayerNorm.__call__"): nnx_call(nnx.LayerNorm(4, rngs=nnx.Rngs(0)), X),
+  ("flax.nnx", "GroupNorm.__call__"): nnx_call(nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0)), X),
+  ("flax.nnx", "BatchNorm.__call__"): nnx_call(nnx.BatchNorm(4, rngs=nnx.Rngs(0)), X),
+  ("flax.nnx", "RMSNorm.__call__"): nnx_call(nnx.RMSNorm(4, rngs=nnx.Rngs(0)), X),
+  ("flax.nnx", "InstanceNorm.__call__"): nnx_call(
+    nnx.InstanceNorm(4, rngs=nnx.Rngs(0)), x_of(2, 3, 4)
+  ),
+  ("flax.nnx", "PReLU.__call__"): nnx_call(nnx.PReLU(), X),
+  ("haiku", "LayerNorm.__call__"): haiku(lambda x: hk.LayerNorm(-1, True, True)(x), X),
+  ("haiku", "GroupNorm.__call__"): haiku(lambda x: hk.GroupNorm(2)(x), x_of(2, 3, 4)),
+  ("haiku", "BatchNorm.__call__"): haiku(
+    lambda x: hk.BatchNorm(True, True, 0.9)(x, is_training=True), X, with_state=True
+  ),
+  ("haiku", "RMSNorm.__call__"): haiku(lambda x: hk.RMSNorm(-1)(x), X),
+  ("equinox.nn", "LayerNorm.__call__"): (eqx.nn.LayerNorm(4), (V,)),
+  ("equinox.nn", "GroupNorm.__call__"): (eqx.nn.GroupNorm(2, 4), (x_of(4, 3),)),
+  ("equinox.nn", "BatchNorm.__call__"): eqx_batch_norm(X),
+  ("equinox.nn", "RMSNorm.__call__"): (eqx.nn.RMSNorm(4), (V,)),
+  ("equinox.nn", "PReLU.__call__"): (eqx.nn.PReLU(), (V,)),
 }
 
 
@@ -194,8 +220,9 @@ def test_a_function_is_recognised_by_its_code_not_by_its_name():
 
 
 def test_importing_jaxamp_imports_none_of_the_optional_libraries():
-  script = ("import sys, jaxamp; "
-            "print(sorted(m for m in ('flax', 'haiku', 'equinox') if m in sys.modules))")
+  script = (
+    "import sys, jaxamp; print(sorted(m for m in ('flax', 'haiku', 'equinox') if m in sys.modules))"
+  )
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]"
 
@@ -215,17 +242,18 @@ def _eqx_batch_norm_state():
 
 
 NORM_LAYERS = {
-    "haiku.LayerNorm": haiku(lambda x: hk.LayerNorm(-1, True, True)(x), XB),
-    "haiku.BatchNorm":
-        haiku(lambda x: hk.BatchNorm(True, True, 0.9)(x, is_training=True), XB, with_state=True),
-    "haiku.RMSNorm": haiku(lambda x: hk.RMSNorm(-1)(x), XB),
-    "equinox.LayerNorm": _eqx_vmapped(eqx.nn.LayerNorm(8)),
-    "equinox.RMSNorm": _eqx_vmapped(eqx.nn.RMSNorm(8)),
-    "equinox.GroupNorm": (lambda m, x: jax.vmap(m)(x), (eqx.nn.GroupNorm(3, 3), XB)),
-    "equinox.BatchNorm": _eqx_batch_norm_state(),
-    "flax.linen.RMSNorm": linen(nn.RMSNorm(), XB),
-    "flax.linen.InstanceNorm": linen(nn.InstanceNorm(), XB),
-    "flax.nnx.RMSNorm": nnx_call(nnx.RMSNorm(8, rngs=nnx.Rngs(0)), XB),
+  "haiku.LayerNorm": haiku(lambda x: hk.LayerNorm(-1, True, True)(x), XB),
+  "haiku.BatchNorm": haiku(
+    lambda x: hk.BatchNorm(True, True, 0.9)(x, is_training=True), XB, with_state=True
+  ),
+  "haiku.RMSNorm": haiku(lambda x: hk.RMSNorm(-1)(x), XB),
+  "equinox.LayerNorm": _eqx_vmapped(eqx.nn.LayerNorm(8)),
+  "equinox.RMSNorm": _eqx_vmapped(eqx.nn.RMSNorm(8)),
+  "equinox.GroupNorm": (lambda m, x: jax.vmap(m)(x), (eqx.nn.GroupNorm(3, 3), XB)),
+  "equinox.BatchNorm": _eqx_batch_norm_state(),
+  "flax.linen.RMSNorm": linen(nn.RMSNorm(), XB),
+  "flax.linen.InstanceNorm": linen(nn.InstanceNorm(), XB),
+  "flax.nnx.RMSNorm": nnx_call(nnx.RMSNorm(8, rngs=nnx.Rngs(0)), XB),
 }
 
 

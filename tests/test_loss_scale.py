@@ -35,9 +35,10 @@ def tree_bitwise_equal(a, b):
   """Same structure, dtypes, shapes and bits (-0.0 is not +0.0; NaN payloads count)."""
   leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
   return jax.tree.structure(a) == jax.tree.structure(b) and all(
-      np.asarray(x).dtype == np.asarray(y).dtype and np.shape(x) == np.shape(y)
-      and np.asarray(x).tobytes() == np.asarray(y).tobytes()
-      for x, y in zip(leaves_a, leaves_b, strict=True)
+    np.asarray(x).dtype == np.asarray(y).dtype
+    and np.shape(x) == np.shape(y)
+    and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    for x, y in zip(leaves_a, leaves_b, strict=True)
   )
 
 
@@ -99,9 +100,9 @@ def test_unscale_multiplies_by_torch_inverse_float32_of_float64_reciprocal():
 
 def test_mixed_precision_gradient_leaves_are_unscaled_in_float32_and_keep_their_dtypes():
   params = {
-      "f32": jnp.ones(4, jnp.float32),
-      "bf16": jnp.ones(4, jnp.bfloat16),
-      "f16": jnp.ones(4, jnp.float16),
+    "f32": jnp.ones(4, jnp.float32),
+    "bf16": jnp.ones(4, jnp.bfloat16),
+    "f16": jnp.ones(4, jnp.float16),
   }
   tx = jaxamp.dynamic_loss_scale(optax.identity(), init_scale=3.0)
   raw = np.array([3.0, 1000.0, -7.5, 0.0625], np.float32)
@@ -123,8 +124,9 @@ def test_huge_scale_whose_inverse_is_subnormal_still_unscales_gradients():
   updates, _ = jitted_update(tx)({"g": jnp.asarray(g)}, tx.init({"g": g}), None)
   torch_inverse = np.float32(1.0 / np.float64(scale))
   assert torch_inverse < np.finfo(np.float32).tiny  # subnormal
-  np.testing.assert_array_equal(updates["g"], (g.astype(np.float64) * torch_inverse).astype(
-      np.float32))
+  np.testing.assert_array_equal(
+    updates["g"], (g.astype(np.float64) * torch_inverse).astype(np.float32)
+  )
 
 
 def test_extra_args_are_forwarded_to_the_inner_transform():
@@ -258,14 +260,25 @@ def test_backoff_has_no_floor_and_can_reach_zero():
 
 
 @pytest.mark.parametrize(
-    "init_scale, factor", [(65536.0, 1.1), (1e38, 1.1), (3e-39, 16.0), (12345.678, 0.3),
-                           (1e-30, 0.3), (7e-45, 0.3), (3.4028234e38, 0.25)]
+  "init_scale, factor",
+  [
+    (65536.0, 1.1),
+    (1e38, 1.1),
+    (3e-39, 16.0),
+    (12345.678, 0.3),
+    (1e-30, 0.3),
+    (7e-45, 0.3),
+    (3.4028234e38, 0.25),
+  ],
 )
 def test_scale_updates_round_the_float64_product_to_float32_like_torch(init_scale, factor):
   grow = factor > 1
   tx = jaxamp.dynamic_loss_scale(
-      optax.sgd(0.1), init_scale=init_scale, growth_interval=1,
-      growth_factor=factor if grow else 2.0, backoff_factor=0.5 if grow else factor,
+    optax.sgd(0.1),
+    init_scale=init_scale,
+    growth_interval=1,
+    growth_factor=factor if grow else 2.0,
+    backoff_factor=0.5 if grow else factor,
   )
   step = jitted_update(tx)
   state = tx.init(PARAMS)
@@ -291,7 +304,7 @@ def test_disabled_scaler_is_an_exact_pass_through_of_the_inner_optimizer():
     expected, inner_state = jitted_update(inner)(grads, inner_state, PARAMS)
     assert tree_bitwise_equal(updates, expected)  # nothing unscaled, nothing skipped
     assert tree_bitwise_equal(state.inner_state, inner_state)
-  assert jaxamp.get_scale(state) == 1.0 and jaxamp.state_dict(state) == {}
+  assert jaxamp.scaler.get_scale(state) == 1.0 and jaxamp.scaler.state_dict(state) == {}
   assert not state.found_inf and state.skipped_steps == 0
 
 
@@ -306,26 +319,26 @@ def test_disabled_scaler_leaves_the_loss_unscaled():
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, message",
-    [
-        (dict(growth_factor=1.0), ValueError, r"`growth_factor` must be > 1.0 .*got 1.0"),
-        (dict(growth_factor=0.5), ValueError, r"`growth_factor` must be > 1.0 .*got 0.5"),
-        (dict(growth_factor=math.inf), ValueError, r"`growth_factor` .*finite.*got inf"),
-        (dict(growth_factor="2"), TypeError, r"`growth_factor` must be a real number.*'2'"),
-        (dict(growth_factor=True), TypeError, r"`growth_factor` must be a real number.*True"),
-        (dict(backoff_factor=1.0), ValueError, r"`backoff_factor` must satisfy 0 < .* < 1.*1.0"),
-        (dict(backoff_factor=0.0), ValueError, r"`backoff_factor` must satisfy 0 < .* < 1.*0.0"),
-        (dict(backoff_factor=-0.5), ValueError, r"`backoff_factor` .*got -0.5"),
-        (dict(growth_interval=0), ValueError, r"`growth_interval` must be an int in \[1, .*got 0"),
-        (dict(growth_interval=2.5), TypeError, r"`growth_interval` must be an int.*2.5"),
-        (dict(growth_interval=True), TypeError, r"`growth_interval` must be an int.*bool.*True"),
-        (dict(init_scale=0.0), ValueError, r"`init_scale` must be > 0 and finite.*got 0.0"),
-        (dict(init_scale=-1.0), ValueError, r"`init_scale` must be > 0.*got -1.0"),
-        (dict(init_scale=math.inf), ValueError, r"`init_scale` must be > 0 and finite.*inf"),
-        (dict(init_scale=math.nan), ValueError, r"`init_scale` must be > 0 and finite.*nan"),
-        (dict(init_scale=1e39), ValueError, r"`init_scale` .*finite in float32.*1e\+39"),
-        (dict(enabled="yes"), TypeError, r"`enabled` must be a bool.*'yes'"),
-    ],
+  "kwargs, error, message",
+  [
+    (dict(growth_factor=1.0), ValueError, r"`growth_factor` must be > 1.0 .*got 1.0"),
+    (dict(growth_factor=0.5), ValueError, r"`growth_factor` must be > 1.0 .*got 0.5"),
+    (dict(growth_factor=math.inf), ValueError, r"`growth_factor` .*finite.*got inf"),
+    (dict(growth_factor="2"), TypeError, r"`growth_factor` must be a real number.*'2'"),
+    (dict(growth_factor=True), TypeError, r"`growth_factor` must be a real number.*True"),
+    (dict(backoff_factor=1.0), ValueError, r"`backoff_factor` must satisfy 0 < .* < 1.*1.0"),
+    (dict(backoff_factor=0.0), ValueError, r"`backoff_factor` must satisfy 0 < .* < 1.*0.0"),
+    (dict(backoff_factor=-0.5), ValueError, r"`backoff_factor` .*got -0.5"),
+    (dict(growth_interval=0), ValueError, r"`growth_interval` must be an int in \[1, .*got 0"),
+    (dict(growth_interval=2.5), TypeError, r"`growth_interval` must be an int.*2.5"),
+    (dict(growth_interval=True), TypeError, r"`growth_interval` must be an int.*bool.*True"),
+    (dict(init_scale=0.0), ValueError, r"`init_scale` must be > 0 and finite.*got 0.0"),
+    (dict(init_scale=-1.0), ValueError, r"`init_scale` must be > 0.*got -1.0"),
+    (dict(init_scale=math.inf), ValueError, r"`init_scale` must be > 0 and finite.*inf"),
+    (dict(init_scale=math.nan), ValueError, r"`init_scale` must be > 0 and finite.*nan"),
+    (dict(init_scale=1e39), ValueError, r"`init_scale` .*finite in float32.*1e\+39"),
+    (dict(enabled="yes"), TypeError, r"`enabled` must be a bool.*'yes'"),
+  ],
 )
 def test_invalid_arguments_are_rejected_naming_the_argument(kwargs, error, message):
   with pytest.raises(error, match=message):
@@ -346,7 +359,7 @@ def test_multisteps_object_is_rejected_with_a_hint():
 # axis_name: every shard takes the same decision.
 
 _SHARD_MAP_SCRIPT = textwrap.dedent(
-    """
+  """
     import json, jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, PartitionSpec as P
     import jaxamp

@@ -40,8 +40,10 @@ def flushes_subnormals():
 def scaler_and_step(lr, growth_factor, backoff_factor, growth_interval):
   """One compiled step per hyperparameter set (the init scale is only a value)."""
   tx = jaxamp.dynamic_loss_scale(
-      optax.sgd(lr), growth_factor=growth_factor, backoff_factor=backoff_factor,
-      growth_interval=growth_interval,
+    optax.sgd(lr),
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    growth_interval=growth_interval,
   )
 
   @jax.jit
@@ -54,8 +56,8 @@ def scaler_and_step(lr, growth_factor, backoff_factor, growth_interval):
 
 def unpack(tree):
   return {
-      "W": jnp.asarray(recorder.from_hex(tree["W"], (2, 3))),
-      "b": jnp.asarray(recorder.from_hex(tree["b"], (2,))),
+    "W": jnp.asarray(recorder.from_hex(tree["W"], (2, 3))),
+    "b": jnp.asarray(recorder.from_hex(tree["b"], (2,))),
   }
 
 
@@ -67,8 +69,7 @@ def has_subnormal(tree):
 def replay(trajectory):
   """Feeds torch's scaled gradients to jaxamp and compares every step."""
   c = trajectory["config"]
-  tx, step = scaler_and_step(c["lr"], c["growth_factor"], c["backoff_factor"],
-                             c["growth_interval"])
+  tx, step = scaler_and_step(c["lr"], c["growth_factor"], c["backoff_factor"], c["growth_interval"])
   params = unpack(trajectory["init_params"])
   state = tx.init(params)._replace(scale=jnp.asarray(c["init_scale"], jnp.float32))
   compare_params = True
@@ -84,9 +85,10 @@ def replay(trajectory):
     assert bool(state.found_inf) == recorded["found_inf"], where
     if compare_params:
       for name, value in unpack(recorded["params"]).items():
-        np.testing.assert_allclose(params[name], value, rtol=1e-6, atol=1e-7, equal_nan=True,
-                                   err_msg=where)
-  assert jaxamp.state_dict(state) == trajectory["state_dict"]
+        np.testing.assert_allclose(
+          params[name], value, rtol=1e-6, atol=1e-7, equal_nan=True, err_msg=where
+        )
+  assert jaxamp.scaler.state_dict(state) == trajectory["state_dict"]
 
 
 @pytest.mark.parametrize("index", range(len(GOLDENS["trajectories"])))
@@ -116,11 +118,13 @@ def test_live_torch_trajectories_replay_with_bitwise_equal_scales():
 
 def test_live_end_to_end_training_matches_torch():
   torch = pytest.importorskip("torch")
-  config = dict(recorder.HYPERPARAMETER_SETS[4], init_scale=2.0**16, p_inject=0.3, seed=11,
-                steps=24, lr=0.05)  # growth 1.1, backoff 0.3, interval 2
+  config = dict(
+    recorder.HYPERPARAMETER_SETS[4], init_scale=2.0**16, p_inject=0.3, seed=11, steps=24, lr=0.05
+  )  # growth 1.1, backoff 0.3, interval 2
   expected = recorder.run_config(config)
-  tx, _ = scaler_and_step(config["lr"], config["growth_factor"], config["backoff_factor"],
-                          config["growth_interval"])
+  tx, _ = scaler_and_step(
+    config["lr"], config["growth_factor"], config["backoff_factor"], config["growth_interval"]
+  )
 
   @jax.jit
   def train_step(params, opt_state, x, y, inject_name_is_w, index, value, inject):
@@ -138,12 +142,14 @@ def test_live_end_to_end_training_matches_torch():
 
   params = {k: jnp.asarray(v) for k, v in recorder.initial_params(config["seed"]).items()}
   opt_state = tx.init(params)._replace(scale=jnp.float32(config["init_scale"]))
-  for i, (inject, recorded) in enumerate(zip(expected["injections"], expected["steps"],
-                                             strict=True)):
+  for i, (inject, recorded) in enumerate(
+    zip(expected["injections"], expected["steps"], strict=True)
+  ):
     x, y = recorder.batch(config["seed"], i)
     name, index, value = inject or ("W", 0, "0")
-    params, opt_state = train_step(params, opt_state, x, y, name == "W", index, float(value),
-                                   inject is not None)
+    params, opt_state = train_step(
+      params, opt_state, x, y, name == "W", index, float(value), inject is not None
+    )
     assert f"0x{int(np.asarray(opt_state.scale).view(np.uint32)):08x}" == recorded["scale_hex"]
     assert bool(opt_state.found_inf) == recorded["found_inf"]
     for k, v in unpack(recorded["params"]).items():

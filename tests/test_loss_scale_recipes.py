@@ -54,7 +54,8 @@ def assert_trees_equal(a, b):
 
 def test_recipe_clip_unscaled_gradients_inside_the_wrapped_optimizer():
   tx = jaxamp.dynamic_loss_scale(
-      optax.chain(optax.clip_by_global_norm(0.2), optax.sgd(1.0)), init_scale=2.0**16)
+    optax.chain(optax.clip_by_global_norm(0.2), optax.sgd(1.0)), init_scale=2.0**16
+  )
   opt_state = tx.init(PARAMS)
   params, _ = make_train_step(tx)(PARAMS, opt_state)
   grads = jax.grad(loss_fn)(PARAMS)
@@ -72,8 +73,8 @@ def test_recipe_clip_unscaled_gradients_inside_the_wrapped_optimizer():
 
 def micro_batches(n, bad=()):
   """n micro-batches of 2 examples; those in ``bad`` contain an Inf."""
-  xs = [X[2 * (i % 4):2 * (i % 4) + 2] for i in range(n)]
-  ys = [Y[2 * (i % 4):2 * (i % 4) + 2] for i in range(n)]
+  xs = [X[2 * (i % 4) : 2 * (i % 4) + 2] for i in range(n)]
+  ys = [Y[2 * (i % 4) : 2 * (i % 4) + 2] for i in range(n)]
   return [(poisoned(x) if i in bad else x, y) for i, (x, y) in enumerate(zip(xs, ys, strict=True))]
 
 
@@ -84,14 +85,15 @@ def test_recipe_multisteps_around_the_scaler_skips_the_whole_accumulated_step_li
   scales = []
   for x, y in micro_batches(12, bad={1}):  # three windows of 4; the first one overflows
     params, opt_state = train_step(params, opt_state, x, y)
-    scales.append(float(jaxamp.get_scale(opt_state)))
+    scales.append(float(jaxamp.scaler.get_scale(opt_state)))
   assert scales == [8.0] * 3 + [4.0] * 8 + [4.0]  # one back-off, at the end of window 1
   assert int(opt_state.inner_opt_state.skipped_steps) == 1
   # Windows 2 and 3 stepped with the mean gradient of their 4 micro-batches.
   expected = PARAMS
   for _ in range(2):
-    mean = jax.tree.map(lambda *g: sum(g) / 4, *[
-        jax.grad(loss_fn)(expected, x, y) for x, y in micro_batches(4)])
+    mean = jax.tree.map(
+      lambda *g: sum(g) / 4, *[jax.grad(loss_fn)(expected, x, y) for x, y in micro_batches(4)]
+    )
     expected = jax.tree.map(lambda p, g: p - 0.1 * g, expected, mean)
   for name in PARAMS:
     np.testing.assert_allclose(params[name], expected[name], rtol=1e-5)
@@ -124,7 +126,7 @@ def test_recipe_multisteps_inside_the_scaler_drops_only_the_bad_micro_batch():
   batches = micro_batches(5, bad={1})
   for x, y in batches[:2]:
     params, opt_state = train_step(params, opt_state, x, y)
-  assert float(jaxamp.get_scale(opt_state)) == 4.0  # backed off at once, mid-window
+  assert float(jaxamp.scaler.get_scale(opt_state)) == 4.0  # backed off at once, mid-window
   assert int(opt_state.inner_state.mini_step) == 1  # the bad micro-batch was not counted
   for x, y in batches[2:]:
     params, opt_state = train_step(params, opt_state, x, y)
@@ -152,8 +154,9 @@ def test_multisteps_around_the_scaler_matches_torch_gradient_accumulation():
       scaler.update()
       opt.zero_grad()
       torch_scales.append(scaler.get_scale())
-  scaler = jaxamp.dynamic_loss_scale(optax.sgd(lr), init_scale=8.0, growth_factor=1.1,
-                                     growth_interval=1)
+  scaler = jaxamp.dynamic_loss_scale(
+    optax.sgd(lr), init_scale=8.0, growth_factor=1.1, growth_interval=1
+  )
   tx = jaxamp.multi_steps(scaler, k)
   train_step = make_train_step(tx)
   params, opt_state = PARAMS, tx.init(PARAMS)
@@ -161,7 +164,7 @@ def test_multisteps_around_the_scaler_matches_torch_gradient_accumulation():
   for i, (x, y) in enumerate(batches):
     params, opt_state = train_step(params, opt_state, x, y)
     if (i + 1) % k == 0:
-      scales.append(float(jaxamp.get_scale(opt_state)))
+      scales.append(float(jaxamp.scaler.get_scale(opt_state)))
   assert scales == torch_scales  # [8.8, 4.4, 4.84]: grow, skip and back off, grow
   np.testing.assert_allclose(params["w"], w.detach().numpy(), rtol=1e-5)
   np.testing.assert_allclose(params["b"], b.detach().numpy(), rtol=1e-5)
@@ -195,7 +198,7 @@ def test_recipe_gradient_penalty_unscales_the_inner_gradients_by_dividing_by_the
   def penalized_grads(params, opt_state):
     def total(p):
       scaled_grads = jax.grad(lambda q: jaxamp.scale_loss(loss_fn(q), opt_state))(p)
-      grads = jax.tree.map(lambda g: g / jaxamp.get_scale(opt_state), scaled_grads)
+      grads = jax.tree.map(lambda g: g / jaxamp.scaler.get_scale(opt_state), scaled_grads)
       penalty = optax.tree.norm(grads)
       return jaxamp.scale_loss(loss_fn(p) + penalty, opt_state)
 
@@ -220,10 +223,11 @@ def train_a_few_steps(tx, n=4):
 
 
 def test_recipe_checkpoint_round_trip_with_orbax(tmp_path):
-  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-2), init_scale=1024.0, growth_factor=1.1,
-                                 growth_interval=2)
+  tx = jaxamp.dynamic_loss_scale(
+    optax.adam(1e-2), init_scale=1024.0, growth_factor=1.1, growth_interval=2
+  )
   train_step, params, opt_state = train_a_few_steps(tx)
-  assert jaxamp.state_dict(opt_state)["scale"] != 1024.0
+  assert jaxamp.scaler.state_dict(opt_state)["scale"] != 1024.0
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(tmp_path / "step_4", {"params": params, "opt_state": opt_state})
     checkpointer.wait_until_finished()
@@ -239,16 +243,16 @@ def test_recipe_checkpoint_round_trip_with_orbax(tmp_path):
 def test_recipe_checkpoint_round_trip_with_state_dict():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0, growth_interval=3)
   train_step, params, opt_state = train_a_few_steps(tx)
-  saved = json.dumps(jaxamp.state_dict(opt_state))  # e.g. next to a torch checkpoint
+  saved = json.dumps(jaxamp.scaler.state_dict(opt_state))  # e.g. next to a torch checkpoint
   fresh = tx.init(params)._replace(inner_state=opt_state.inner_state)
-  restored = jaxamp.load_state_dict(fresh, json.loads(saved))
-  assert jaxamp.state_dict(restored) == jaxamp.state_dict(opt_state)
+  restored = jaxamp.scaler.load_state_dict(fresh, json.loads(saved))
+  assert jaxamp.scaler.state_dict(restored) == jaxamp.scaler.state_dict(opt_state)
   for _ in range(3):
     p1, opt_state = train_step(params, opt_state, X, Y)
     p2, restored = train_step(params, restored, X, Y)
     assert_trees_equal(p1, p2)
     params = p1
-  assert jaxamp.state_dict(restored) == jaxamp.state_dict(opt_state)
+  assert jaxamp.scaler.state_dict(restored) == jaxamp.scaler.state_dict(opt_state)
 
 
 def test_recipe_checkpoint_round_trip_with_flax_serialization():
@@ -259,10 +263,11 @@ def test_recipe_checkpoint_round_trip_with_flax_serialization():
   state = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
   state = state.replace(opt_state=train_a_few_steps(tx)[2])
   data = serialization.to_bytes(state)  # msgpack, hyperparameters included
-  target = train_state.TrainState.create(apply_fn=None, params=PARAMS,
-                                         tx=jaxamp.dynamic_loss_scale(optax.adam(1e-2)))
+  target = train_state.TrainState.create(
+    apply_fn=None, params=PARAMS, tx=jaxamp.dynamic_loss_scale(optax.adam(1e-2))
+  )
   restored = serialization.from_bytes(target, data)
-  assert jaxamp.state_dict(restored) == jaxamp.state_dict(state)
+  assert jaxamp.scaler.state_dict(restored) == jaxamp.scaler.state_dict(state)
   assert_trees_equal(restored.opt_state, state.opt_state)
 
 
@@ -270,7 +275,7 @@ def test_recipe_checkpoint_round_trip_with_flax_serialization():
 # Data parallelism.
 
 _DATA_PARALLEL_SCRIPT = textwrap.dedent(
-    """
+  """
     import json, jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxamp
@@ -324,6 +329,10 @@ _DATA_PARALLEL_SCRIPT = textwrap.dedent(
 def test_recipe_data_parallel_training_with_shard_map_and_axis_name():
   result = cpu_devices.run_json(_DATA_PARALLEL_SCRIPT, devices=4)
   assert result["devices"] == 4
-  assert result["log"] == [[1024.0, False, 1024.0], [512.0, True, 512.0],
-                           [512.0, False, 512.0], [1024.0, False, 1024.0]]
+  assert result["log"] == [
+    [1024.0, False, 1024.0],
+    [512.0, True, 512.0],
+    [512.0, False, 512.0],
+    [1024.0, False, 1024.0],
+  ]
   np.testing.assert_allclose(result["dp"], result["single"], rtol=1e-5)

@@ -16,21 +16,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxamp._src import loss_scale
+from jaxamp._src import exact_f64
 
 FACTORS = [0.5, 0.3, 0.25, 2.0, 1.1, 16.0, 0.1, 1.0000001, 0.7, 1.5, 3.0, 1e-300, 1e300]
 
 
 @jax.jit
 def scale_times(scale, limbs, exponent):
-  return jax.vmap(lambda s: loss_scale._mul_f32_f64(s, limbs, exponent))(scale)
+  return jax.vmap(lambda s: exact_f64.mul_f32_f64(s, limbs, exponent))(scale)
 
 
-inverse_of = jax.jit(jax.vmap(loss_scale._reciprocal_f32_f64))
+inverse_of = jax.jit(jax.vmap(exact_f64.reciprocal_f32_f64))
 
 
 def multiply(scales, factor):
-  limbs, exponent = loss_scale._f64_limbs(factor)
+  limbs, exponent = exact_f64.f64_limbs(factor)
   return np.asarray(scale_times(jnp.asarray(scales, jnp.float32), limbs, exponent))
 
 
@@ -49,8 +49,25 @@ def every_kind_of_float32(n=4000, seed=0):
   """Random bit patterns (normals, subnormals, inf, NaN) plus the corners."""
   rng = np.random.default_rng(seed)
   random_bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
-  corners = np.array([0.0, -0.0, 1.4e-45, 2.8e-45, 1.1754942e-38, 1.1754944e-38, 1e-30, 1.0,
-                      65536.0, 1e38, 3.4028235e38, np.inf, -np.inf, np.nan], np.float32)
+  corners = np.array(
+    [
+      0.0,
+      -0.0,
+      1.4e-45,
+      2.8e-45,
+      1.1754942e-38,
+      1.1754944e-38,
+      1e-30,
+      1.0,
+      65536.0,
+      1e38,
+      3.4028235e38,
+      np.inf,
+      -np.inf,
+      np.nan,
+    ],
+    np.float32,
+  )
   return np.concatenate([random_bits, corners])
 
 
@@ -74,7 +91,8 @@ def double_rounding_cases(n=100, seed=1):
   while len(cases) < n:
     scale = np.float32(rng.uniform(1, 2) * 2.0 ** int(rng.integers(-100, 100)))
     midpoint = Fraction(2 * int(rng.integers(2**23, 2**24)) + 1, 2**24) * Fraction(2) ** int(
-        rng.integers(-140, 120))
+      rng.integers(-140, 120)
+    )
     factor = float(midpoint / Fraction(float(scale)))
     exact = Fraction(float(scale)) * Fraction(factor)
     if exact != midpoint and Fraction(float(exact)) == midpoint:
@@ -107,11 +125,11 @@ def test_inverse_of_every_significand_matches():
 
 @settings(max_examples=300, deadline=None)
 @given(
-    scale=st.floats(width=32, allow_nan=True, allow_infinity=True),
-    factor=st.one_of(
-        st.sampled_from(FACTORS),
-        st.floats(min_value=5e-324, max_value=1e300, allow_subnormal=True),
-    ),
+  scale=st.floats(width=32, allow_nan=True, allow_infinity=True),
+  factor=st.one_of(
+    st.sampled_from(FACTORS),
+    st.floats(min_value=5e-324, max_value=1e300, allow_subnormal=True),
+  ),
 )
 def test_any_scale_times_any_factor_matches_numpy(scale, factor):
   assert_same_bits(multiply([scale], factor), torch_multiply([scale], factor))
@@ -127,6 +145,6 @@ def test_any_inverse_matches_numpy(scale):
 
 def test_factor_limbs_hold_the_float64_exactly():
   for factor in FACTORS + [5e-324, 1.7976931348623157e308]:
-    limbs, exponent = loss_scale._f64_limbs(factor)
+    limbs, exponent = exact_f64.f64_limbs(factor)
     value = sum(int(limb) << (12 * i) for i, limb in enumerate(limbs))
     assert math.ldexp(value, exponent) == factor

@@ -27,21 +27,23 @@ def scaler(**kwargs):
 def containers():
   """(name, make_state) for every place the scaler state may sit."""
   return {
-      "bare": lambda: scaler().init(PARAMS),
-      "chain": lambda: optax.chain(optax.add_decayed_weights(1e-4), scaler()).init(PARAMS),
-      "multisteps": lambda: optax.MultiSteps(scaler(), 2).init(PARAMS),
-      "inject_hyperparams": lambda: optax.inject_hyperparams(
-          lambda learning_rate: optax.chain(scaler(), optax.scale(learning_rate)))(
-              learning_rate=0.1).init(PARAMS),
-      "masked": lambda: optax.masked(scaler(), {"w": True, "b": True}).init(PARAMS),
-      "multi_transform": lambda: optax.multi_transform(
-          {"a": scaler(), "b": optax.sgd(0.1)}, {"w": "a", "b": "b"}).init(PARAMS),
-      "nested": lambda: optax.MultiSteps(
-          optax.chain(optax.identity(), scaler(growth_factor=1.1)), 4).init(PARAMS),
-      "train_state": lambda: train_state.TrainState.create(
-          apply_fn=None, params=PARAMS, tx=scaler()),
-      "nnx_optimizer": lambda: nnx.Optimizer(
-          nnx.Linear(2, 3, rngs=nnx.Rngs(0)), scaler(), wrt=nnx.Param),
+    "bare": lambda: scaler().init(PARAMS),
+    "chain": lambda: optax.chain(optax.add_decayed_weights(1e-4), scaler()).init(PARAMS),
+    "multisteps": lambda: optax.MultiSteps(scaler(), 2).init(PARAMS),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(
+      lambda learning_rate: optax.chain(scaler(), optax.scale(learning_rate))
+    )(learning_rate=0.1).init(PARAMS),
+    "masked": lambda: optax.masked(scaler(), {"w": True, "b": True}).init(PARAMS),
+    "multi_transform": lambda: optax.multi_transform(
+      {"a": scaler(), "b": optax.sgd(0.1)}, {"w": "a", "b": "b"}
+    ).init(PARAMS),
+    "nested": lambda: optax.MultiSteps(
+      optax.chain(optax.identity(), scaler(growth_factor=1.1)), 4
+    ).init(PARAMS),
+    "train_state": lambda: train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=scaler()),
+    "nnx_optimizer": lambda: nnx.Optimizer(
+      nnx.Linear(2, 3, rngs=nnx.Rngs(0)), scaler(), wrt=nnx.Param
+    ),
   }
 
 
@@ -50,13 +52,13 @@ def containers():
 
 
 def test_get_scale_is_a_float32_scalar_array():
-  scale = jaxamp.get_scale(scaler().init(PARAMS))
+  scale = jaxamp.scaler.get_scale(scaler().init(PARAMS))
   assert isinstance(scale, jax.Array) and scale.dtype == jnp.float32 and scale.shape == ()
   assert scale == 1024.0
 
 
 def test_get_scale_of_a_disabled_scaler_is_one():
-  assert jaxamp.get_scale(scaler(enabled=False).init(PARAMS)) == 1.0
+  assert jaxamp.scaler.get_scale(scaler(enabled=False).init(PARAMS)) == 1.0
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
@@ -76,8 +78,8 @@ def test_scale_loss_scales_a_pytree_of_losses():
 def test_scale_loss_scales_the_gradient_and_not_the_scale():
   state = scaler(init_scale=8.0).init(PARAMS)
   grads, grad_of_state = jax.grad(
-      lambda p, s: jaxamp.scale_loss(jnp.sum(p["w"] ** 2), s), argnums=(0, 1),
-      allow_int=True)(PARAMS, state)
+    lambda p, s: jaxamp.scale_loss(jnp.sum(p["w"] ** 2), s), argnums=(0, 1), allow_int=True
+  )(PARAMS, state)
   np.testing.assert_array_equal(grads["w"], 8.0 * 2 * PARAMS["w"])
   assert grad_of_state.scale == 0.0
 
@@ -89,28 +91,30 @@ def test_scale_loss_scales_the_gradient_and_not_the_scale():
 @pytest.mark.parametrize("container", list(containers()))
 def test_helpers_find_the_scaler_state_in(container):
   opt_state = containers()[container]()
-  assert jaxamp.get_scale(opt_state) == 1024.0
+  assert jaxamp.scaler.get_scale(opt_state) == 1024.0
   assert jaxamp.scale_loss(jnp.float32(2.0), opt_state) == 2048.0
-  assert list(jaxamp.state_dict(opt_state)) == TORCH_KEYS
-  d = dict(jaxamp.state_dict(opt_state), scale=64.0, _growth_tracker=3)
-  loaded = jaxamp.load_state_dict(opt_state, d)
-  assert jaxamp.state_dict(loaded) == d
+  assert list(jaxamp.scaler.state_dict(opt_state)) == TORCH_KEYS
+  d = dict(jaxamp.scaler.state_dict(opt_state), scale=64.0, _growth_tracker=3)
+  loaded = jaxamp.scaler.load_state_dict(opt_state, d)
+  assert jaxamp.scaler.state_dict(loaded) == d
   if container != "nnx_optimizer":
     assert jax.tree.structure(loaded) == jax.tree.structure(opt_state)
-    assert jaxamp.get_scale(opt_state) == 1024.0  # pure: the input is unchanged
+    assert jaxamp.scaler.get_scale(opt_state) == 1024.0  # pure: the input is unchanged
 
 
 def test_missing_scaler_state_raises_naming_what_was_searched():
-  message = (r"`opt_state` contains no `DynamicLossScaleState`: searched every node "
-             r".*optax.chain.*MultiStepsState.*TrainState.*nnx.Optimizer.*got a tuple")
+  message = (
+    r"`opt_state` contains no `DynamicLossScaleState`: searched every node "
+    r".*optax.chain.*MultiStepsState.*TrainState.*nnx.Optimizer.*got a tuple"
+  )
   with pytest.raises(ValueError, match=message):
-    jaxamp.get_scale(optax.adam(1e-3).init(PARAMS))
+    jaxamp.scaler.get_scale(optax.adam(1e-3).init(PARAMS))
 
 
 def test_two_scaler_states_are_ambiguous():
   both = (scaler().init(PARAMS), scaler().init(PARAMS))
   with pytest.raises(ValueError, match=r"contains 2 `DynamicLossScaleState` nodes"):
-    jaxamp.state_dict(both)
+    jaxamp.scaler.state_dict(both)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,22 +122,35 @@ def test_two_scaler_states_are_ambiguous():
 
 
 def test_state_dict_has_torch_keys_and_python_types():
-  d = jaxamp.state_dict(scaler(growth_factor=1.1, backoff_factor=0.3, growth_interval=7)
-                        .init(PARAMS))
-  assert d == {"scale": 1024.0, "growth_factor": 1.1, "backoff_factor": 0.3,
-               "growth_interval": 7, "_growth_tracker": 0}
+  d = jaxamp.scaler.state_dict(
+    scaler(growth_factor=1.1, backoff_factor=0.3, growth_interval=7).init(PARAMS)
+  )
+  assert d == {
+    "scale": 1024.0,
+    "growth_factor": 1.1,
+    "backoff_factor": 0.3,
+    "growth_interval": 7,
+    "_growth_tracker": 0,
+  }
   assert [type(v) for v in d.values()] == [float, float, float, int, int]
 
 
 def test_state_dict_of_a_disabled_scaler_is_empty():
-  assert jaxamp.state_dict(scaler(enabled=False).init(PARAMS)) == {}
+  assert jaxamp.scaler.state_dict(scaler(enabled=False).init(PARAMS)) == {}
 
 
 def test_load_state_dict_restores_scale_tracker_and_hyperparameters():
   tx = scaler()
-  state = jaxamp.load_state_dict(tx.init(PARAMS), {
-      "scale": 100.0, "growth_factor": 1.1, "backoff_factor": 0.3, "growth_interval": 2,
-      "_growth_tracker": 1})
+  state = jaxamp.scaler.load_state_dict(
+    tx.init(PARAMS),
+    {
+      "scale": 100.0,
+      "growth_factor": 1.1,
+      "backoff_factor": 0.3,
+      "growth_interval": 2,
+      "_growth_tracker": 1,
+    },
+  )
   assert state.scale.dtype == jnp.float32 and state.growth_tracker.dtype == jnp.int32
   step = jax.jit(lambda g, s: tx.update(g, s, PARAMS))
   _, grown = step(jax.tree.map(jnp.ones_like, PARAMS), state)  # tracker 1 -> 2: grow by 1.1
@@ -144,36 +161,45 @@ def test_load_state_dict_restores_scale_tracker_and_hyperparameters():
 
 def test_load_state_dict_of_a_disabled_scaler_is_a_no_op():
   state = scaler(enabled=False).init(PARAMS)
-  assert jaxamp.load_state_dict(state, {"scale": 2.0}) is state
+  assert jaxamp.scaler.load_state_dict(state, {"scale": 2.0}) is state
 
 
 @pytest.mark.parametrize(
-    "d, error, message",
-    [
-        ({}, ValueError, r"`state_dict` is empty, possibly because it was saved from a disabled"),
-        ({"scale": 1.0}, ValueError, r"`state_dict` lacks the keys \['growth_factor'"),
-        (dict(scale=1.0, growth_factor=0.9, backoff_factor=0.5, growth_interval=1,
-              _growth_tracker=0), ValueError, r"`growth_factor` must be > 1.0.*got 0.9"),
-        (dict(scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=1,
-              _growth_tracker=0.5), TypeError, r"`_growth_tracker` must be an int.*0.5"),
-        ([("scale", 1.0)], TypeError, r"`state_dict` must be a dict, got list"),
-    ],
+  "d, error, message",
+  [
+    ({}, ValueError, r"`state_dict` is empty, possibly because it was saved from a disabled"),
+    ({"scale": 1.0}, ValueError, r"`state_dict` lacks the keys \['growth_factor'"),
+    (
+      dict(scale=1.0, growth_factor=0.9, backoff_factor=0.5, growth_interval=1, _growth_tracker=0),
+      ValueError,
+      r"`growth_factor` must be > 1.0.*got 0.9",
+    ),
+    (
+      dict(
+        scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=1, _growth_tracker=0.5
+      ),
+      TypeError,
+      r"`_growth_tracker` must be an int.*0.5",
+    ),
+    ([("scale", 1.0)], TypeError, r"`state_dict` must be a dict, got list"),
+  ],
 )
 def test_load_state_dict_rejects_malformed_dicts(d, error, message):
   with pytest.raises(error, match=message):
-    jaxamp.load_state_dict(scaler().init(PARAMS), d)
+    jaxamp.scaler.load_state_dict(scaler().init(PARAMS), d)
 
 
 def test_state_dict_round_trips_with_torch():
   torch = pytest.importorskip("torch")
-  torch_scaler = torch.amp.GradScaler("cpu", init_scale=300.0, growth_factor=1.1,
-                                      backoff_factor=0.3, growth_interval=3)
+  torch_scaler = torch.amp.GradScaler(
+    "cpu", init_scale=300.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=3
+  )
   torch_scaler.scale(torch.ones(()))
   torch_scaler.update(123.5)
-  state = jaxamp.load_state_dict(scaler().init(PARAMS), torch_scaler.state_dict())
-  assert jaxamp.state_dict(state) == torch_scaler.state_dict()
+  state = jaxamp.scaler.load_state_dict(scaler().init(PARAMS), torch_scaler.state_dict())
+  assert jaxamp.scaler.state_dict(state) == torch_scaler.state_dict()
   back = torch.amp.GradScaler("cpu")
-  back.load_state_dict(jaxamp.state_dict(state))
+  back.load_state_dict(jaxamp.scaler.state_dict(state))
   assert back.state_dict() == torch_scaler.state_dict()
 
 
@@ -195,9 +221,11 @@ def test_flax_train_state_apply_gradients_with_the_wrapped_optimizer():
   stepped = train_step(state, 1.0)
   assert not np.array_equal(stepped.params["w"], PARAMS["w"]) and stepped.step == 1
   skipped = train_step(stepped, jnp.inf)
-  assert skipped.opt_state.found_inf and jaxamp.get_scale(skipped) == 4.0
-  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(skipped.params),
-                                                  jax.tree.leaves(stepped.params), strict=True))
+  assert skipped.opt_state.found_inf and jaxamp.scaler.get_scale(skipped) == 4.0
+  assert all(
+    np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(skipped.params), jax.tree.leaves(stepped.params), strict=True)
+  )
 
 
 class TinyModel(nnx.Module):
@@ -225,14 +253,16 @@ def test_nnx_optimizer_with_the_wrapped_optimizer():
   before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
   train_step(model, optimizer, jnp.inf)
   after = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
-  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
-                                                  jax.tree.leaves(after), strict=True))
-  assert jaxamp.get_scale(optimizer) == 4.0
-  assert jaxamp.state_dict(optimizer)["_growth_tracker"] == 0
+  assert all(
+    np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+  )
+  assert jaxamp.scaler.get_scale(optimizer) == 4.0
+  assert jaxamp.scaler.state_dict(optimizer)["_growth_tracker"] == 0
 
 
 def test_load_state_dict_updates_an_nnx_optimizer_in_place():
   optimizer = nnx.Optimizer(TinyModel(nnx.Rngs(0)), scaler(), wrt=nnx.Param)
-  d = dict(jaxamp.state_dict(optimizer), scale=32.0, backoff_factor=0.25)
-  assert jaxamp.load_state_dict(optimizer, d) is optimizer
-  assert jaxamp.state_dict(optimizer) == d
+  d = dict(jaxamp.scaler.state_dict(optimizer), scale=32.0, backoff_factor=0.25)
+  assert jaxamp.scaler.load_state_dict(optimizer, d) is optimizer
+  assert jaxamp.scaler.state_dict(optimizer) == d

@@ -1,5 +1,5 @@
 """The rest of torch's GradScaler, functionally: ``scale_loss`` of any outputs, ``unscale``,
-``set_scale``, the hyperparameter getters and setters, and ``load_state_dict``.
+``set_scale``, the hyperparameter getters and setters, and ``load_state_dict`` (``jaxamp.scaler``).
 
 Where torch defines the behaviour the reference is torch itself: golden files recorded by
 ``scripts/record_gradscaler_surface_goldens.py`` (``gradscaler_scale_dtypes.json``,
@@ -61,7 +61,7 @@ def f32_from_hex(h):
 
 
 def scale_hex(state):
-  return f"0x{int(np.asarray(jaxamp.get_scale(state)).view(np.uint32)):08x}"
+  return f"0x{int(np.asarray(jaxamp.scaler.get_scale(state)).view(np.uint32)):08x}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,8 +86,10 @@ def test_scale_loss_returns_torch_dtype_shape_and_bits(case):
 
 
 def test_scale_loss_goldens_cover_every_dtype_rank_and_scale():
-  inputs = [(c["input"]["dtype"], len(c["input"]["shape"]), c["init_scale"])
-            for c in DTYPE_GOLDENS["single"]]
+  inputs = [
+    (c["input"]["dtype"], len(c["input"]["shape"]), c["init_scale"])
+    for c in DTYPE_GOLDENS["single"]
+  ]
   assert {d for d, _, _ in inputs} == {"float32", "float16", "bfloat16", "float64", "int32", "bool"}
   assert {r for _, r, _ in inputs} == {0, 1, 2}
   assert {s for _, _, s in inputs} == {2.0**16, 30001.7, 0.1}
@@ -115,7 +117,7 @@ def from_structure(tree):
   """A golden list/tuple tree as Python lists/tuples of NumPy arrays."""
   if "dtype" in tree:
     return recorder.decode(tree)
-  (kind, items), = tree.items()
+  ((kind, items),) = tree.items()
   return {"list": list, "tuple": tuple}[kind](from_structure(x) for x in items)
 
 
@@ -140,9 +142,12 @@ def test_scale_loss_keeps_any_pytree_structure():
 
 
 def test_scale_loss_rejects_leaves_that_are_not_arrays():
-  with pytest.raises(TypeError, match=r"`loss` must be an array or a pytree of arrays "
-                                      r"\(torch: a Tensor or an iterable of Tensors\), got a leaf "
-                                      r"of type str: 'loss'"):
+  with pytest.raises(
+    TypeError,
+    match=r"`loss` must be an array or a pytree of arrays "
+    r"\(torch: a Tensor or an iterable of Tensors\), got a leaf "
+    r"of type str: 'loss'",
+  ):
     jaxamp.scale_loss(["loss"], scaler().init(PARAMS))
 
 
@@ -197,10 +202,10 @@ def test_unscale_matches_live_torch():
 
 
 MIXED_GRADS = {
-    "f32": jnp.array([3.0, -7.5e4, 1e-3]),
-    "bf16": jnp.array([3.0, 1e5], jnp.bfloat16),
-    "f16": jnp.array([3.0, 6e4], jnp.float16),
-    "int": jnp.array([1, 2], jnp.int32),
+  "f32": jnp.array([3.0, -7.5e4, 1e-3]),
+  "bf16": jnp.array([3.0, 1e5], jnp.bfloat16),
+  "f16": jnp.array([3.0, 6e4], jnp.float16),
+  "int": jnp.array([1, 2], jnp.int32),
 }
 
 
@@ -241,8 +246,9 @@ def test_unscale_reduces_found_inf_over_the_scalers_axis_name():
 def test_unscale_accepts_float16_gradients_which_torch_unscale_refuses():
   # torch's unscale_ raises "Attempting to unscale FP16 gradients." for float16 *parameters*;
   # jaxamp's update has always unscaled float16 gradients in float32, and unscale matches it.
-  grads, _ = jaxamp.unscale({"g": jnp.array([6e4], jnp.float16)}, scaler(init_scale=4.0).init(
-      PARAMS))
+  grads, _ = jaxamp.unscale(
+    {"g": jnp.array([6e4], jnp.float16)}, scaler(init_scale=4.0).init(PARAMS)
+  )
   assert grads["g"].dtype == jnp.float16 and grads["g"].tolist() == [15000.0]
   torch = pytest.importorskip("torch")
   p = torch.zeros(1, dtype=torch.float16, requires_grad=True)
@@ -267,8 +273,9 @@ def test_update_with_found_inf_treats_the_grads_as_already_unscaled():
     grads, found_inf = jaxamp.unscale(scaled, state)
     return tx.update(grads, state, PARAMS, found_inf=found_inf)
 
-  assert_trees_bitwise_equal(unscale_then_update(scaled, state),
-                             jax.jit(tx.update)(scaled, state, PARAMS))
+  assert_trees_bitwise_equal(
+    unscale_then_update(scaled, state), jax.jit(tx.update)(scaled, state, PARAMS)
+  )
 
 
 def test_clipping_outside_the_wrapper_after_unscale_equals_clipping_inside_it():
@@ -319,23 +326,25 @@ def test_found_inf_is_consumed_by_the_scaler_and_other_extra_args_reach_the_inne
 def test_found_inf_passes_through_optax_chain_to_the_scaler():
   tx = optax.chain(optax.add_decayed_weights(0.0), scaler(optax.sgd(1.0), init_scale=8.0))
   state = tx.init(PARAMS)
-  _, state = jax.jit(lambda g, s: tx.update(g, s, PARAMS, found_inf=jnp.array(True)))(
-      PARAMS, state)
-  assert jaxamp.get_scale(state) == 4.0
+  _, state = jax.jit(lambda g, s: tx.update(g, s, PARAMS, found_inf=jnp.array(True)))(PARAMS, state)
+  assert jaxamp.scaler.get_scale(state) == 4.0
 
 
 @pytest.mark.parametrize(
-    "found_inf, message",
-    [
-        (jnp.array([True]), r"got a bool array of shape \(1,\)"),
-        (jnp.array(1.0), r"got a float32 array of shape \(\)"),
-        (1, r"got int"),
-    ],
+  "found_inf, message",
+  [
+    (jnp.array([True]), r"got a bool array of shape \(1,\)"),
+    (jnp.array(1.0), r"got a float32 array of shape \(\)"),
+    (1, r"got int"),
+  ],
 )
 def test_update_rejects_a_found_inf_that_is_not_a_bool_scalar(found_inf, message):
   tx = scaler()
-  with pytest.raises(TypeError, match=r"`found_inf` must be a bool scalar \(the second output of "
-                                      r"`jaxamp.unscale`\), " + message):
+  with pytest.raises(
+    TypeError,
+    match=r"`found_inf` must be a bool scalar \(the second output of "
+    r"`jaxamp.unscale`\), " + message,
+  ):
     tx.update(PARAMS, tx.init(PARAMS), PARAMS, found_inf=found_inf)
 
 
@@ -359,9 +368,12 @@ def torch_clip_grad_norm(grads, max_norm):
 def clip_recipe(cfg_items):
   cfg = dict(cfg_items)
   tx = jaxamp.dynamic_loss_scale(
-      optax.sgd(cfg["lr"], momentum=cfg["momentum"]), init_scale=cfg["init_scale"],
-      growth_factor=cfg["growth_factor"], backoff_factor=cfg["backoff_factor"],
-      growth_interval=cfg["growth_interval"])
+    optax.sgd(cfg["lr"], momentum=cfg["momentum"]),
+    init_scale=cfg["init_scale"],
+    growth_factor=cfg["growth_factor"],
+    backoff_factor=cfg["backoff_factor"],
+    growth_interval=cfg["growth_interval"],
+  )
 
   @jax.jit
   def step(params, opt_state, scaled_grads):
@@ -384,15 +396,15 @@ def replay_clip_recipe(recorded):
     where = f"step {i}"
     for k, v in expected["unscaled"].items():
       assert_bitwise_equal(grads[k], recorder.decode(v), err_msg=where)
-    np.testing.assert_allclose(total_norm, f32_from_hex(expected["total_norm"]), rtol=1e-6,
-                               equal_nan=True, err_msg=where)
+    np.testing.assert_allclose(
+      total_norm, f32_from_hex(expected["total_norm"]), rtol=1e-6, equal_nan=True, err_msg=where
+    )
     assert bool(opt_state.found_inf) == expected["found_inf"], where
     assert scale_hex(opt_state) == expected["scale_hex"], where
     assert int(opt_state.growth_tracker) == expected["growth_tracker"], where
     for k, v in expected["params"].items():
-      np.testing.assert_allclose(params[k], recorder.decode(v), rtol=1e-5, atol=1e-6,
-                                 err_msg=where)
-  assert jaxamp.state_dict(opt_state) == recorded["state_dict"]
+      np.testing.assert_allclose(params[k], recorder.decode(v), rtol=1e-5, atol=1e-6, err_msg=where)
+  assert jaxamp.scaler.state_dict(opt_state) == recorded["state_dict"]
 
 
 def test_unscale_clip_update_replays_torch_unscale_clip_grad_norm_step_update():
@@ -428,14 +440,14 @@ def test_unscale_clip_recipe_trained_end_to_end_matches_live_torch():
 
   params = {k: jnp.asarray(v) for k, v in recorder.clip_initial_params(cfg["seed"]).items()}
   opt_state = tx.init(params)
-  for i, (inject, recorded) in enumerate(zip(expected["injections"], expected["steps"],
-                                             strict=True)):
+  for i, (inject, recorded) in enumerate(
+    zip(expected["injections"], expected["steps"], strict=True)
+  ):
     poison = {"W": np.zeros(6, np.float32), "b": np.zeros(2, np.float32)}
     if inject is not None:
       poison[inject[0]][inject[1]] = float(inject[2])
     x, y = recorder.clip_batch(cfg["seed"], i)
-    params, opt_state = train_step(params, opt_state, x, y, poison["W"].reshape(2, 3),
-                                   poison["b"])
+    params, opt_state = train_step(params, opt_state, x, y, poison["W"].reshape(2, 3), poison["b"])
     assert scale_hex(opt_state) == recorded["scale_hex"], i
     assert bool(opt_state.found_inf) == recorded["found_inf"], i
     for k, v in recorded["params"].items():
@@ -461,10 +473,10 @@ def script_step(state, grads):
 @functools.cache
 def jitted(op):
   if op == "update_new_scale":  # a Python float, validated at trace time
-    return jax.jit(jaxamp.set_scale, static_argnums=1)
+    return jax.jit(jaxamp.scaler.set_scale, static_argnums=1)
   if op == "update_new_scale_tensor":  # a traced 0-d float32 array
-    return jax.jit(jaxamp.set_scale)
-  return jax.jit(getattr(jaxamp, op), static_argnums=1)
+    return jax.jit(jaxamp.scaler.set_scale)
+  return jax.jit(getattr(jaxamp.scaler, op), static_argnums=1)
 
 
 def apply_op(state, op, arg):
@@ -474,7 +486,7 @@ def apply_op(state, op, arg):
   if op == "update_new_scale_tensor":
     return jitted(op)(state, jnp.float32(arg))
   if op == "load_state_dict":  # a dict is not hashable: close over it
-    return jax.jit(lambda s: jaxamp.load_state_dict(s, arg))(state)
+    return jax.jit(lambda s: jaxamp.scaler.load_state_dict(s, arg))(state)
   return jitted(op)(state, arg)
 
 
@@ -484,13 +496,13 @@ def replay_script(script):
   for (op, arg), expected in zip(script["ops"], script["after"], strict=True):
     state = apply_op(state, op, arg)
     where = f"{script['name']}: after {op}({arg})"
-    assert jaxamp.state_dict(state) == expected["state_dict"], where
+    assert jaxamp.scaler.state_dict(state) == expected["state_dict"], where
     assert scale_hex(state) == expected["scale_hex"], where
-    assert float(jaxamp.get_scale(state)) == expected["get_scale"], where
-    assert jaxamp.get_growth_factor(state) == expected["get_growth_factor"], where
-    assert jaxamp.get_backoff_factor(state) == expected["get_backoff_factor"], where
-    assert jaxamp.get_growth_interval(state) == expected["get_growth_interval"], where
-    assert jaxamp.is_enabled(state) == expected["is_enabled"], where
+    assert float(jaxamp.scaler.get_scale(state)) == expected["get_scale"], where
+    assert jaxamp.scaler.get_growth_factor(state) == expected["get_growth_factor"], where
+    assert jaxamp.scaler.get_backoff_factor(state) == expected["get_backoff_factor"], where
+    assert jaxamp.scaler.get_growth_interval(state) == expected["get_growth_interval"], where
+    assert jaxamp.scaler.is_enabled(state) == expected["is_enabled"], where
 
 
 @pytest.mark.parametrize("script", SURFACE_GOLDENS["scripts"], ids=lambda s: s["name"])
@@ -514,7 +526,7 @@ def test_set_scale_keeps_tracker_found_inf_skipped_steps_and_inner_state():
   _, state = tx.update(PARAMS, state, PARAMS)
   _, state = tx.update(jax.tree.map(lambda p: p * jnp.inf, PARAMS), state, PARAMS)
   _, state = tx.update(PARAMS, state, PARAMS)
-  new = jax.jit(jaxamp.set_scale)(state, jnp.float32(3.5))
+  new = jax.jit(jaxamp.scaler.set_scale)(state, jnp.float32(3.5))
   assert new.scale == 3.5 and new.scale.dtype == jnp.float32 and new.scale.shape == ()
   assert_trees_bitwise_equal(new._replace(scale=state.scale), state)
 
@@ -522,46 +534,49 @@ def test_set_scale_keeps_tracker_found_inf_skipped_steps_and_inner_state():
 @pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
 def test_set_scale_accepts_a_one_element_float32_array_of_any_shape(shape):
   # torch documents "a 1-element FloatTensor" but only a 0-d one copies into its 0-d scale.
-  state = jax.jit(jaxamp.set_scale)(scaler().init(PARAMS), jnp.full(shape, 6.0, jnp.float32))
+  state = jax.jit(jaxamp.scaler.set_scale)(scaler().init(PARAMS), jnp.full(shape, 6.0, jnp.float32))
   assert state.scale.shape == () and state.scale == 6.0
 
 
 def test_set_scale_accepts_numpy_floats():
   state = scaler().init(PARAMS)
-  assert jaxamp.set_scale(state, np.float64(0.1)).scale == np.float32(0.1)
-  assert jaxamp.set_scale(state, np.float32(0.5)).scale == 0.5
+  assert jaxamp.scaler.set_scale(state, np.float64(0.1)).scale == np.float32(0.1)
+  assert jaxamp.scaler.set_scale(state, np.float32(0.5)).scale == 0.5
 
 
 @pytest.mark.parametrize(
-    "new_scale, error, message",
-    [
-        (2, TypeError, r"got int: 2"),
-        (True, TypeError, r"got bool: True"),
-        ("2.0", TypeError, r"got str: '2.0'"),
-        (jnp.array([2.0, 3.0]), TypeError, r"got a float32 array of shape \(2,\)"),
-        (jnp.array(2.0, jnp.float16), TypeError, r"got a float16 array of shape \(\)"),
-        (np.array([2.0]), TypeError, r"got a float64 array of shape \(1,\)"),
-        (0.0, ValueError, r"`new_scale` must be > 0 and finite in float32.*got 0.0"),
-        (-1.0, ValueError, r"`new_scale` must be > 0 .*got -1.0"),
-        (float("inf"), ValueError, r"`new_scale` must be > 0 and finite.*got inf"),
-        (float("nan"), ValueError, r"`new_scale` must be > 0 and finite.*got nan"),
-        (1e39, ValueError, r"`new_scale` .*finite in float32.*got 1e\+39"),
-    ],
+  "new_scale, error, message",
+  [
+    (2, TypeError, r"got int: 2"),
+    (True, TypeError, r"got bool: True"),
+    ("2.0", TypeError, r"got str: '2.0'"),
+    (jnp.array([2.0, 3.0]), TypeError, r"got a float32 array of shape \(2,\)"),
+    (jnp.array(2.0, jnp.float16), TypeError, r"got a float16 array of shape \(\)"),
+    (np.array([2.0]), TypeError, r"got a float64 array of shape \(1,\)"),
+    (0.0, ValueError, r"`new_scale` must be > 0 and finite in float32.*got 0.0"),
+    (-1.0, ValueError, r"`new_scale` must be > 0 .*got -1.0"),
+    (float("inf"), ValueError, r"`new_scale` must be > 0 and finite.*got inf"),
+    (float("nan"), ValueError, r"`new_scale` must be > 0 and finite.*got nan"),
+    (1e39, ValueError, r"`new_scale` .*finite in float32.*got 1e\+39"),
+  ],
 )
 def test_set_scale_rejects_anything_but_a_positive_float_or_one_element_float32_array(
-    new_scale, error, message):
+  new_scale, error, message
+):
   if error is TypeError:
-    message = (r"`new_scale` must be a float or a 1-element float32 array \(as torch's "
-               r"`GradScaler.update\(new_scale\)`\), " + message)
+    message = (
+      r"`new_scale` must be a float or a 1-element float32 array \(as torch's "
+      r"`GradScaler.update\(new_scale\)`\), " + message
+    )
   with pytest.raises(error, match=message):
-    jaxamp.set_scale(scaler().init(PARAMS), new_scale)
+    jaxamp.scaler.set_scale(scaler().init(PARAMS), new_scale)
 
 
 def test_set_scale_of_a_disabled_scaler_is_a_no_op_after_validation():
   state = scaler(enabled=False).init(PARAMS)
-  assert jaxamp.set_scale(state, 8.0) is state
+  assert jaxamp.scaler.set_scale(state, 8.0) is state
   with pytest.raises(TypeError, match="`new_scale` must be a float"):
-    jaxamp.set_scale(state, 8)
+    jaxamp.scaler.set_scale(state, 8)
 
 
 def test_set_scale_rejects_ints_and_negative_scales_that_torch_takes_or_crashes_on():
@@ -574,9 +589,9 @@ def test_set_scale_rejects_ints_and_negative_scales_that_torch_takes_or_crashes_
   assert torch_scaler.get_scale() == -1.0
   state = scaler().init(PARAMS)
   with pytest.raises(TypeError, match=r"`new_scale` must be a float .*got int: 2"):
-    jaxamp.set_scale(state, 2)
+    jaxamp.scaler.set_scale(state, 2)
   with pytest.raises(ValueError, match=r"`new_scale` must be > 0"):
-    jaxamp.set_scale(state, -1.0)
+    jaxamp.scaler.set_scale(state, -1.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -586,20 +601,24 @@ def test_set_scale_rejects_ints_and_negative_scales_that_torch_takes_or_crashes_
 def containers():
   """(name, make_state) for a few places the scaler state may sit."""
   return {
-      "bare": lambda: scaler().init(PARAMS),
-      "chain": lambda: optax.chain(optax.add_decayed_weights(1e-4), scaler()).init(PARAMS),
-      "multisteps": lambda: optax.MultiSteps(scaler(), 2).init(PARAMS),
-      "train_state": lambda: train_state.TrainState.create(
-          apply_fn=None, params=PARAMS, tx=scaler()),
-      "nnx_optimizer": lambda: nnx.Optimizer(
-          nnx.Linear(2, 3, rngs=nnx.Rngs(0)), scaler(), wrt=nnx.Param),
+    "bare": lambda: scaler().init(PARAMS),
+    "chain": lambda: optax.chain(optax.add_decayed_weights(1e-4), scaler()).init(PARAMS),
+    "multisteps": lambda: optax.MultiSteps(scaler(), 2).init(PARAMS),
+    "train_state": lambda: train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=scaler()),
+    "nnx_optimizer": lambda: nnx.Optimizer(
+      nnx.Linear(2, 3, rngs=nnx.Rngs(0)), scaler(), wrt=nnx.Param
+    ),
   }
 
 
 def test_getters_return_python_numbers_like_torch():
   state = scaler(growth_factor=1.1, backoff_factor=0.3, growth_interval=7).init(PARAMS)
-  values = (jaxamp.get_growth_factor(state), jaxamp.get_backoff_factor(state),
-            jaxamp.get_growth_interval(state), jaxamp.is_enabled(state))
+  values = (
+    jaxamp.scaler.get_growth_factor(state),
+    jaxamp.scaler.get_backoff_factor(state),
+    jaxamp.scaler.get_growth_interval(state),
+    jaxamp.scaler.is_enabled(state),
+  )
   assert values == (1.1, 0.3, 7, True)
   assert [type(v) for v in values] == [float, float, int, bool]
 
@@ -607,7 +626,7 @@ def test_getters_return_python_numbers_like_torch():
 def test_getters_work_under_jit_as_static_values():
   @jax.jit
   def grow(state):
-    return jaxamp.get_scale(state) * jaxamp.get_growth_factor(state)
+    return jaxamp.scaler.get_scale(state) * jaxamp.scaler.get_growth_factor(state)
 
   assert grow(scaler(init_scale=4.0, growth_factor=3.0).init(PARAMS)) == 12.0
 
@@ -615,20 +634,26 @@ def test_getters_work_under_jit_as_static_values():
 @pytest.mark.parametrize("container", list(containers()))
 def test_getters_and_setters_find_the_scaler_state_in(container):
   state = containers()[container]()
-  new = jaxamp.set_growth_interval(jaxamp.set_backoff_factor(
-      jaxamp.set_growth_factor(state, 4.0), 0.25), 3)
-  new = jaxamp.set_scale(new, 16.0)
-  assert (jaxamp.get_growth_factor(new), jaxamp.get_backoff_factor(new),
-          jaxamp.get_growth_interval(new), jaxamp.is_enabled(new)) == (4.0, 0.25, 3, True)
-  assert jaxamp.get_scale(new) == 16.0
+  new = jaxamp.scaler.set_growth_interval(
+    jaxamp.scaler.set_backoff_factor(jaxamp.scaler.set_growth_factor(state, 4.0), 0.25), 3
+  )
+  new = jaxamp.scaler.set_scale(new, 16.0)
+  assert (
+    jaxamp.scaler.get_growth_factor(new),
+    jaxamp.scaler.get_backoff_factor(new),
+    jaxamp.scaler.get_growth_interval(new),
+    jaxamp.scaler.is_enabled(new),
+  ) == (4.0, 0.25, 3, True)
+  assert jaxamp.scaler.get_scale(new) == 16.0
   if container != "nnx_optimizer":  # nnx objects are mutable: updated in place
-    assert jaxamp.get_growth_factor(state) == 2.0 and jaxamp.get_scale(state) == 1024.0
+    assert jaxamp.scaler.get_growth_factor(state) == 2.0
+    assert jaxamp.scaler.get_scale(state) == 1024.0
     assert type(new) is type(state)
 
 
 def test_set_growth_factor_takes_effect_in_the_next_jitted_update():
   tx = scaler(optax.sgd(0.1), init_scale=10.0, growth_interval=1)
-  state = jaxamp.set_growth_factor(tx.init(PARAMS), 1.1)
+  state = jaxamp.scaler.set_growth_factor(tx.init(PARAMS), 1.1)
   _, state = jax.jit(tx.update)(PARAMS, state, PARAMS)
   assert state.scale == np.float32(np.float64(np.float32(10.0)) * 1.1)
   assert state.growth_factor == 1.1
@@ -636,14 +661,15 @@ def test_set_growth_factor_takes_effect_in_the_next_jitted_update():
 
 def test_setters_work_under_jit():
   state = scaler().init(PARAMS)
-  new = jax.jit(lambda s: jaxamp.set_backoff_factor(jaxamp.set_growth_factor(s, 1.5), 0.75))(
-      state)
+  new = jax.jit(
+    lambda s: jaxamp.scaler.set_backoff_factor(jaxamp.scaler.set_growth_factor(s, 1.5), 0.75)
+  )(state)
   assert (new.growth_factor, new.backoff_factor) == (1.5, 0.75)
 
 
 def test_setters_keep_enabled_and_axis_name():
   state = scaler(axis_name="data").init(PARAMS)
-  new = jaxamp.set_growth_interval(state, 5)
+  new = jaxamp.scaler.set_growth_interval(state, 5)
   assert new.hyperparams.axis_name == "data" and new.enabled
 
 
@@ -651,8 +677,8 @@ def test_getters_and_setters_of_a_disabled_scaler_use_the_constructor_arguments(
   # torch's disabled GradScaler never stores its factors: get_growth_factor() raises
   # AttributeError there. jaxamp keeps them, so a disabled state answers like an enabled one.
   state = scaler(enabled=False, growth_factor=3.0).init(PARAMS)
-  assert jaxamp.get_growth_factor(state) == 3.0 and not jaxamp.is_enabled(state)
-  assert jaxamp.get_growth_factor(jaxamp.set_growth_factor(state, 5.0)) == 5.0
+  assert jaxamp.scaler.get_growth_factor(state) == 3.0 and not jaxamp.scaler.is_enabled(state)
+  assert jaxamp.scaler.get_growth_factor(jaxamp.scaler.set_growth_factor(state, 5.0)) == 5.0
 
 
 def test_torch_disabled_scaler_getters_raise_where_jaxamp_answers():
@@ -662,24 +688,28 @@ def test_torch_disabled_scaler_getters_raise_where_jaxamp_answers():
 
 
 @pytest.mark.parametrize(
-    "setter, value, error, message",
-    [
-        ("set_growth_factor", 1.0, ValueError, r"`growth_factor` must be > 1.0 .*got 1.0"),
-        ("set_growth_factor", float("inf"), ValueError, r"`growth_factor` .*finite.*got inf"),
-        ("set_growth_factor", "2", TypeError, r"`growth_factor` must be a real number.*'2'"),
-        ("set_growth_factor", jnp.float32(2.0), TypeError,
-         r"`growth_factor` must be a real number \(hyperparameters are static Python numbers"),
-        ("set_backoff_factor", 1.0, ValueError, r"`backoff_factor` must satisfy 0 < .* < 1.*1.0"),
-        ("set_backoff_factor", 0.0, ValueError, r"`backoff_factor` must satisfy.*0.0"),
-        ("set_backoff_factor", True, TypeError, r"`backoff_factor` must be a real number.*True"),
-        ("set_growth_interval", 0, ValueError, r"`growth_interval` must be an int in \[1, .*0"),
-        ("set_growth_interval", 2.0, TypeError, r"`growth_interval` must be an int.*2.0"),
-        ("set_growth_interval", 2**31, ValueError, r"`growth_interval` .*2147483648"),
-    ],
+  "setter, value, error, message",
+  [
+    ("set_growth_factor", 1.0, ValueError, r"`growth_factor` must be > 1.0 .*got 1.0"),
+    ("set_growth_factor", float("inf"), ValueError, r"`growth_factor` .*finite.*got inf"),
+    ("set_growth_factor", "2", TypeError, r"`growth_factor` must be a real number.*'2'"),
+    (
+      "set_growth_factor",
+      jnp.float32(2.0),
+      TypeError,
+      r"`growth_factor` must be a real number \(hyperparameters are static Python numbers",
+    ),
+    ("set_backoff_factor", 1.0, ValueError, r"`backoff_factor` must satisfy 0 < .* < 1.*1.0"),
+    ("set_backoff_factor", 0.0, ValueError, r"`backoff_factor` must satisfy.*0.0"),
+    ("set_backoff_factor", True, TypeError, r"`backoff_factor` must be a real number.*True"),
+    ("set_growth_interval", 0, ValueError, r"`growth_interval` must be an int in \[1, .*0"),
+    ("set_growth_interval", 2.0, TypeError, r"`growth_interval` must be an int.*2.0"),
+    ("set_growth_interval", 2**31, ValueError, r"`growth_interval` .*2147483648"),
+  ],
 )
 def test_setters_validate_like_the_constructor(setter, value, error, message):
   with pytest.raises(error, match=message):
-    getattr(jaxamp, setter)(scaler().init(PARAMS), value)
+    getattr(jaxamp.scaler, setter)(scaler().init(PARAMS), value)
 
 
 def test_torch_setters_accept_values_its_constructor_rejects():
@@ -695,14 +725,19 @@ def test_torch_setters_accept_values_its_constructor_rejects():
 # load_state_dict.
 
 
-TORCH_EMPTY_MESSAGE = ("The source state dict is empty, possibly because it was saved from a "
-                       "disabled instance of GradScaler.")
+TORCH_EMPTY_MESSAGE = (
+  "The source state dict is empty, possibly because it was saved from a "
+  "disabled instance of GradScaler."
+)
 
 
 def test_load_state_dict_of_an_empty_dict_raises_a_runtime_error_like_torch():
-  with pytest.raises(RuntimeError, match=r"`state_dict` is empty, possibly because it was saved "
-                                         r"from a disabled scaler") as error:
-    jaxamp.load_state_dict(scaler().init(PARAMS), {})
+  with pytest.raises(
+    RuntimeError,
+    match=r"`state_dict` is empty, possibly because it was saved "
+    r"from a disabled scaler",
+  ) as error:
+    jaxamp.scaler.load_state_dict(scaler().init(PARAMS), {})
   assert isinstance(error.value, ValueError)  # and a ValueError, as jaxamp's other bad values
   assert TORCH_EMPTY_MESSAGE in str(error.value)
 
@@ -716,20 +751,27 @@ def test_load_state_dict_empty_error_quotes_live_torch():
 
 def test_load_state_dict_into_a_disabled_scaler_is_a_no_op_even_for_an_empty_dict():
   state = scaler(enabled=False).init(PARAMS)
-  assert jaxamp.load_state_dict(state, {}) is state
-  assert jax.jit(lambda s: jaxamp.load_state_dict(s, {"scale": "junk"}))(state).scale == 1.0
+  assert jaxamp.scaler.load_state_dict(state, {}) is state
+  assert jax.jit(lambda s: jaxamp.scaler.load_state_dict(s, {"scale": "junk"}))(state).scale == 1.0
 
 
 def test_load_state_dict_of_a_torch_dict_restores_the_hyperparameters_to_the_last_bit():
-  d = {"scale": 3e38, "growth_factor": 1.0000000000000002, "backoff_factor": 0.1 + 0.2,
-       "growth_interval": 2**31 - 1, "_growth_tracker": 2**31 - 2}
-  state = jax.jit(lambda s: jaxamp.load_state_dict(s, d))(scaler().init(PARAMS))
-  assert jaxamp.state_dict(state) == dict(d, scale=float(np.float32(3e38)))
+  d = {
+    "scale": 3e38,
+    "growth_factor": 1.0000000000000002,
+    "backoff_factor": 0.1 + 0.2,
+    "growth_interval": 2**31 - 1,
+    "_growth_tracker": 2**31 - 2,
+  }
+  state = jax.jit(lambda s: jaxamp.scaler.load_state_dict(s, d))(scaler().init(PARAMS))
+  assert jaxamp.scaler.state_dict(state) == dict(d, scale=float(np.float32(3e38)))
 
 
 def test_load_state_dict_keeps_enabled_and_axis_name():
   state = scaler(axis_name=("data", "model")).init(PARAMS)
-  loaded = jaxamp.load_state_dict(state, dict(jaxamp.state_dict(state), growth_factor=4.0))
+  loaded = jaxamp.scaler.load_state_dict(
+    state, dict(jaxamp.scaler.state_dict(state), growth_factor=4.0)
+  )
   assert loaded.hyperparams.axis_name == ("data", "model") and loaded.enabled
 
 
@@ -738,37 +780,43 @@ def test_load_state_dict_accepts_a_zero_scale_reached_by_backing_off():
   state = tx.init(PARAMS)
   _, state = jax.jit(tx.update)(jax.tree.map(lambda p: p * jnp.nan, PARAMS), state, PARAMS)
   assert state.scale == 0.0
-  assert jaxamp.state_dict(jaxamp.load_state_dict(state, jaxamp.state_dict(state)))["scale"] == 0
+  loaded = jaxamp.scaler.load_state_dict(state, jaxamp.scaler.state_dict(state))
+  assert jaxamp.scaler.state_dict(loaded)["scale"] == 0
 
 
 @pytest.mark.parametrize(
-    "changes, error, message",
-    [
-        (dict(scale=-1.0), ValueError, r"`scale` must be >= 0 and finite in float32.*-1.0"),
-        (dict(scale=float("nan")), ValueError, r"`scale` must be >= 0 and finite.*nan"),
-        (dict(scale=1e39), ValueError, r"`scale` must be >= 0 and finite in float32.*1e\+39"),
-        (dict(_growth_tracker=-1), ValueError, r"`_growth_tracker` must be an int in \[0, .*-1"),
-        (dict(growth_interval=0), ValueError, r"`growth_interval` must be an int in \[1, .*0"),
-        (dict(backoff_factor=1.5), ValueError, r"`backoff_factor` must satisfy.*1.5"),
-    ],
+  "changes, error, message",
+  [
+    (dict(scale=-1.0), ValueError, r"`scale` must be >= 0 and finite in float32.*-1.0"),
+    (dict(scale=float("nan")), ValueError, r"`scale` must be >= 0 and finite.*nan"),
+    (dict(scale=1e39), ValueError, r"`scale` must be >= 0 and finite in float32.*1e\+39"),
+    (dict(_growth_tracker=-1), ValueError, r"`_growth_tracker` must be an int in \[0, .*-1"),
+    (dict(growth_interval=0), ValueError, r"`growth_interval` must be an int in \[1, .*0"),
+    (dict(backoff_factor=1.5), ValueError, r"`backoff_factor` must satisfy.*1.5"),
+  ],
 )
 def test_load_state_dict_rejects_values_the_constructor_would_reject(changes, error, message):
   state = scaler().init(PARAMS)
   with pytest.raises(error, match=message):
-    jaxamp.load_state_dict(state, dict(jaxamp.state_dict(state), **changes))
+    jaxamp.scaler.load_state_dict(state, dict(jaxamp.scaler.state_dict(state), **changes))
 
 
 def test_torch_load_state_dict_checks_nothing_where_jaxamp_validates():
   torch = pytest.importorskip("torch")
   torch_scaler = torch.amp.GradScaler("cpu")
-  bad = {"scale": -1.0, "growth_factor": 0.5, "backoff_factor": 3.0, "growth_interval": 0,
-         "_growth_tracker": 0}
+  bad = {
+    "scale": -1.0,
+    "growth_factor": 0.5,
+    "backoff_factor": 3.0,
+    "growth_interval": 0,
+    "_growth_tracker": 0,
+  }
   torch_scaler.load_state_dict(bad)  # accepted by torch
   assert torch_scaler.state_dict() == bad
   with pytest.raises(KeyError):  # torch: a bare KeyError; jaxamp: a ValueError naming every key
     torch_scaler.load_state_dict({"scale": 1.0})
   with pytest.raises(ValueError, match=r"`state_dict` lacks the keys \['growth_factor'"):
-    jaxamp.load_state_dict(scaler().init(PARAMS), {"scale": 1.0})
+    jaxamp.scaler.load_state_dict(scaler().init(PARAMS), {"scale": 1.0})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -776,10 +824,12 @@ def test_torch_load_state_dict_checks_nothing_where_jaxamp_validates():
 
 
 def test_axis_name_is_kept_in_the_state_as_a_hashable_static_value():
-  assert scaler(axis_name=["data", "model"]).init(PARAMS).hyperparams.axis_name == ("data",
-                                                                                     "model")
-  with pytest.raises(TypeError, match=r"`axis_name` must be None, an axis name or a tuple of "
-                                      r"axis names, got dict"):
+  assert scaler(axis_name=["data", "model"]).init(PARAMS).hyperparams.axis_name == ("data", "model")
+  with pytest.raises(
+    TypeError,
+    match=r"`axis_name` must be None, an axis name or a tuple of "
+    r"axis names, got dict",
+  ):
     scaler(axis_name={"data": 1})
 
 
@@ -790,3 +840,46 @@ def test_flax_checkpoints_leave_axis_name_out_and_restore_the_programs():
   target = scaler(axis_name="batch").init(PARAMS)
   restored = serialization.from_bytes(target, saved)
   assert restored.hyperparams.axis_name == "batch" and restored.growth_factor == 3.0
+
+
+# ------------------------------------------------------------------------------------------------
+# The public namespace: the accessors live in jaxamp.scaler, the old top-level names point there.
+
+ACCESSORS = [
+  "get_scale",
+  "set_scale",
+  "get_growth_factor",
+  "set_growth_factor",
+  "get_backoff_factor",
+  "set_backoff_factor",
+  "get_growth_interval",
+  "set_growth_interval",
+  "is_enabled",
+  "state_dict",
+  "load_state_dict",
+  "EmptyStateDictError",
+]
+
+
+def test_import_jaxamp_makes_the_scaler_namespace_available_with_every_accessor():
+  assert sorted(jaxamp.scaler.__all__) == sorted(ACCESSORS)
+  assert all(callable(getattr(jaxamp.scaler, name)) for name in ACCESSORS)
+  assert "scaler" in jaxamp.__all__
+
+
+@pytest.mark.parametrize("name", ACCESSORS)
+def test_old_top_level_accessor_raises_an_attribute_error_naming_the_new_spelling(name):
+  with pytest.raises(AttributeError, match=rf"^jaxamp\.{name} moved to jaxamp\.scaler\.{name}$"):
+    getattr(jaxamp, name)
+  assert not hasattr(jaxamp, name) and name not in jaxamp.__all__
+
+
+def test_unknown_top_level_names_raise_the_usual_attribute_error():
+  with pytest.raises(AttributeError, match=r"module 'jaxamp' has no attribute 'no_such_name'"):
+    jaxamp.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize("module", [jaxamp, jaxamp.scaler, jaxamp.functional])
+def test_public_all_is_sorted_and_names_only_existing_attributes(module):
+  assert list(module.__all__) == sorted(module.__all__)
+  assert all(hasattr(module, name) for name in module.__all__)

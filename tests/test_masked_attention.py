@@ -17,8 +17,13 @@ from flax import nnx
 
 import jaxamp
 
-POLICIES = [("cuda", jnp.float16), ("cuda", jnp.bfloat16), ("cpu", jnp.bfloat16),
-            ("cpu", jnp.float16), ("xpu", jnp.float16)]
+POLICIES = [
+  ("cuda", jnp.float16),
+  ("cuda", jnp.bfloat16),
+  ("cpu", jnp.bfloat16),
+  ("cpu", jnp.float16),
+  ("xpu", jnp.float16),
+]
 ids = [f"{device}-{jnp.dtype(dtype).name}" for device, dtype in POLICIES]
 policies = pytest.mark.parametrize("device_type,dtype", POLICIES, ids=ids)
 
@@ -53,16 +58,14 @@ def test_linen_attention_with_a_padding_mask_is_finite(device_type, dtype):
 def test_linen_attention_with_a_padding_mask_matches_float32(device_type, dtype):
   module = nn.MultiHeadDotProductAttention(num_heads=2)
   variables = module.init(jax.random.key(1), X, mask=MASK)
-  out = jaxamp.autocast(module.apply, device_type=device_type, dtype=dtype)(variables, X,
-                                                                            mask=MASK)
+  out = jaxamp.autocast(module.apply, device_type=device_type, dtype=dtype)(variables, X, mask=MASK)
   reference = module.apply(variables, X, mask=MASK)
   np.testing.assert_allclose(out.astype(jnp.float32), reference, rtol=0.1, atol=0.1)
 
 
 @policies
 def test_nnx_attention_with_a_padding_mask_is_finite(device_type, dtype):
-  module = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False,
-                                  rngs=nnx.Rngs(0))
+  module = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0))
   fun = jaxamp.autocast(lambda m, x: m(x, mask=MASK), device_type=device_type, dtype=dtype)
   out = fun(module, X)
   assert out.dtype == dtype
@@ -95,16 +98,20 @@ def hand_written_attention(x, w, mask, fill):
 @pytest.mark.parametrize("fill", [jnp.finfo(jnp.float32).min, -1e9, -0.7 * 3.4e38])
 def test_hand_written_mask_fill_saturates_to_a_finite_value(device_type, dtype, fill):
   w = jax.random.normal(jax.random.key(2), (16, 16)) * 0.3
-  fun = jaxamp.autocast(lambda x, w: hand_written_attention(x, w, MASK, fill),
-                        device_type=device_type, dtype=dtype)
+  fun = jaxamp.autocast(
+    lambda x, w: hand_written_attention(x, w, MASK, fill), device_type=device_type, dtype=dtype
+  )
   assert_finite(fun(X, w))
   value_and_grad_finite(lambda w: jnp.sum(fun(X, w).astype(jnp.float32)), w)
 
 
 @policies
 def test_masked_logits_saturate_to_the_low_dtypes_range(device_type, dtype):
-  fun = jaxamp.autocast(lambda x, w: jnp.where(MASK[:, 0], x @ w, jnp.finfo(jnp.float32).min),
-                        device_type=device_type, dtype=dtype)
+  fun = jaxamp.autocast(
+    lambda x, w: jnp.where(MASK[:, 0], x @ w, jnp.finfo(jnp.float32).min),
+    device_type=device_type,
+    dtype=dtype,
+  )
   x = jnp.ones((2, 4, 4))
   out = jax.jit(fun)(x, jnp.eye(4))
   assert out.dtype == dtype
@@ -113,8 +120,9 @@ def test_masked_logits_saturate_to_the_low_dtypes_range(device_type, dtype):
 
 @policies
 def test_a_genuine_infinity_stays_infinite(device_type, dtype):
-  fun = jaxamp.autocast(lambda x, w: jnp.where(MASK[:, 0], x @ w, -jnp.inf),
-                        device_type=device_type, dtype=dtype)
+  fun = jaxamp.autocast(
+    lambda x, w: jnp.where(MASK[:, 0], x @ w, -jnp.inf), device_type=device_type, dtype=dtype
+  )
   out = jax.jit(fun)(jnp.ones((2, 4, 4)), jnp.eye(4))
   assert out.dtype == dtype
   assert bool(jnp.isneginf(out).any())

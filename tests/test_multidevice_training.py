@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 SCRIPT = textwrap.dedent(
-    """
+  """
     import json
     import flax.linen as nn
     import jax, jax.numpy as jnp, numpy as np, optax

@@ -31,9 +31,9 @@ class CountsCalls(nnx.Module):
 
 
 MODELS = {
-    "batch_norm": lambda: nnx.BatchNorm(3, momentum=0.5, rngs=nnx.Rngs(0)),
-    "dropout": lambda: nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0)),
-    "variable_made_in_call": CountsCalls,
+  "batch_norm": lambda: nnx.BatchNorm(3, momentum=0.5, rngs=nnx.Rngs(0)),
+  "dropout": lambda: nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0)),
+  "variable_made_in_call": CountsCalls,
 }
 
 
@@ -56,25 +56,29 @@ def _loss(forward):
 def _scan(forward):
   body = lambda model, x: (model, forward(model, x))
   return lambda model, xs: nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(
-      model, xs)[1]
+    model, xs
+  )[1]
 
 
 XS = jnp.stack([X, X + 1.0])
 TRANSFORMS = {
-    "eager": (lambda forward: forward, X),
-    "nnx_jit": (nnx.jit, X),
-    "nnx_grad": (lambda forward: nnx.grad(_loss(forward)), X),
-    "nnx_value_and_grad": (lambda forward: nnx.value_and_grad(_loss(forward)), X),
-    "nnx_remat": (nnx.remat, X),
-    "nnx_vmap": (lambda forward: nnx.vmap(forward, in_axes=(None, 0)), XS),
-    "nnx_scan": (_scan, XS),
+  "eager": (lambda forward: forward, X),
+  "nnx_jit": (nnx.jit, X),
+  "nnx_grad": (lambda forward: nnx.grad(_loss(forward)), X),
+  "nnx_value_and_grad": (lambda forward: nnx.value_and_grad(_loss(forward)), X),
+  "nnx_remat": (nnx.remat, X),
+  "nnx_vmap": (lambda forward: nnx.vmap(forward, in_axes=(None, 0)), XS),
+  "nnx_scan": (_scan, XS),
 }
 # Plain nnx rejects these too: batch statistics of a broadcast module under vmap, and a carry
 # whose structure changes in the scan body.
 PLAIN_NNX_FAILS = {("batch_norm", "nnx_vmap"), ("variable_made_in_call", "nnx_scan")}
-CASES = [pytest.param(model, transform, id=f"{model}-{transform}")
-         for model in MODELS for transform in TRANSFORMS
-         if (model, transform) not in PLAIN_NNX_FAILS]
+CASES = [
+  pytest.param(model, transform, id=f"{model}-{transform}")
+  for model in MODELS
+  for transform in TRANSFORMS
+  if (model, transform) not in PLAIN_NNX_FAILS
+]
 
 
 def state_after(forward, model_name, transform_name):
@@ -94,14 +98,18 @@ def assert_same_state(found, expected):
 
 @pytest.mark.parametrize("model_name,transform_name", CASES)
 def test_module_as_the_function_updates_state_like_plain_nnx(model_name, transform_name):
-  assert_same_state(state_after(module_as_function, model_name, transform_name),
-                    state_after(plain, model_name, transform_name))
+  assert_same_state(
+    state_after(module_as_function, model_name, transform_name),
+    state_after(plain, model_name, transform_name),
+  )
 
 
 @pytest.mark.parametrize("model_name,transform_name", CASES)
 def test_module_as_an_argument_updates_state_like_plain_nnx(model_name, transform_name):
-  assert_same_state(state_after(module_as_argument, model_name, transform_name),
-                    state_after(plain, model_name, transform_name))
+  assert_same_state(
+    state_after(module_as_argument, model_name, transform_name),
+    state_after(plain, model_name, transform_name),
+  )
 
 
 def test_module_as_the_function_runs_under_the_policy():
@@ -117,7 +125,8 @@ def test_module_as_the_function_with_autocast_disabled_runs_as_written():
 def test_module_as_the_function_passes_keyword_arguments():
   model = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0))
   np.testing.assert_array_equal(
-      jaxamp.autocast(model, device_type="cpu")(X, deterministic=True), X.astype(F32))
+    jaxamp.autocast(model, device_type="cpu")(X, deterministic=True), X.astype(F32)
+  )
 
 
 # --- a module closed over and only read ----------------------------------------------------------
@@ -127,16 +136,22 @@ def linear():
   return nnx.Linear(3, 2, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("spelling", [module_as_function, module_as_argument],
-                         ids=["module_as_function", "module_as_argument"])
+@pytest.mark.parametrize(
+  "spelling",
+  [module_as_function, module_as_argument],
+  ids=["module_as_function", "module_as_argument"],
+)
 def test_module_read_inside_jax_jit_runs(spelling):
   model = linear()
   out = jax.jit(lambda x: spelling(model, x))(X)
   np.testing.assert_allclose(out.astype(F32), model(X), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("spelling", [module_as_function, module_as_argument],
-                         ids=["module_as_function", "module_as_argument"])
+@pytest.mark.parametrize(
+  "spelling",
+  [module_as_function, module_as_argument],
+  ids=["module_as_function", "module_as_argument"],
+)
 def test_module_read_inside_jax_grad_runs(spelling):
   model = linear()
   grad = jax.grad(lambda x: jnp.sum(spelling(model, x).astype(jnp.float32)))(X)
@@ -144,8 +159,11 @@ def test_module_read_inside_jax_grad_runs(spelling):
   np.testing.assert_allclose(grad, expected, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("spelling", [module_as_function, module_as_argument],
-                         ids=["module_as_function", "module_as_argument"])
+@pytest.mark.parametrize(
+  "spelling",
+  [module_as_function, module_as_argument],
+  ids=["module_as_function", "module_as_argument"],
+)
 def test_module_read_inside_jax_jit_is_left_unchanged(spelling):
   model = linear()
   before = nnx.to_pure_dict(nnx.state(model))

@@ -60,15 +60,17 @@ def test_two_linen_layer_norms_in_one_module_are_two_instances():
 
 def test_two_nnx_layer_norms_are_two_instances():
   norms = [nnx.LayerNorm(8, rngs=nnx.Rngs(0)) for _ in range(2)]
-  fun = jaxamp.autocast(lambda ns, x, y: [n(h) for n, h in zip(ns, (x, y), strict=True)],
-                        device_type="cpu")
+  fun = jaxamp.autocast(
+    lambda ns, x, y: [n(h) for n, h in zip(ns, (x, y), strict=True)], device_type="cpu"
+  )
   assert [o.dtype for o in fun(norms, X16, Y16)] == [jnp.bfloat16, jnp.bfloat16]
 
 
 def test_one_call_on_a_multi_line_statement_is_one_instance():
   # log_softmax's log(sum(exp(...))) spans lines traced out of order; it stays one op.
-  jaxpr = jax.make_jaxpr(jaxamp.autocast(lambda x, w: jax.nn.log_softmax(x @ w),
-                                         device_type="cpu"))(X, W)
+  jaxpr = jax.make_jaxpr(
+    jaxamp.autocast(lambda x, w: jax.nn.log_softmax(x @ w), device_type="cpu")
+  )(X, W)
   text = str(jaxpr)
   assert text.count("remat2") == 1  # one recomputed instance
 
@@ -76,8 +78,9 @@ def test_one_call_on_a_multi_line_statement_is_one_instance():
 def test_batch_norm_state_stays_float32_and_its_output_is_low():
   module = nn.BatchNorm(use_running_average=False)
   variables = module.init(jax.random.key(4), X)
-  fun = jaxamp.autocast(lambda v, x, w: module.apply(v, x @ w, mutable=["batch_stats"]),
-                        device_type="cpu")
+  fun = jaxamp.autocast(
+    lambda v, x, w: module.apply(v, x @ w, mutable=["batch_stats"]), device_type="cpu"
+  )
   out, state = fun(variables, X, W)
   assert out.dtype == jnp.bfloat16
   assert {leaf.dtype for leaf in jax.tree.leaves(state)} == {jnp.dtype(jnp.float32)}

@@ -37,31 +37,53 @@ from jax.extend import core as jex_core
 import jaxamp
 
 DEVICES = ("cuda", "xpu", "cpu")
-LOW = {"cuda": jnp.dtype(jnp.float16), "xpu": jnp.dtype(jnp.float16),
-       "cpu": jnp.dtype(jnp.bfloat16)}
+LOW = {
+  "cuda": jnp.dtype(jnp.float16),
+  "xpu": jnp.dtype(jnp.float16),
+  "cpu": jnp.dtype(jnp.bfloat16),
+}
 F32 = jnp.dtype(jnp.float32)
 LOWER_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 # The JAX primitives of torch's "autocast to float32" lists (the ones programs can contain).
 FLOAT32_PRIMITIVES = {
-    "cuda": frozenset({"exp", "expm1", "log", "log1p", "pow", "integer_pow", "square", "rsqrt",
-                       "reduce_sum", "reduce_prod", "cumsum", "cumprod", "acos", "asin", "cosh",
-                       "sinh", "tan", "erf_inv"}),
-    # XPU's list is shorter: no log1p, expm1, prod, cumprod, acos, asin, cosh, sinh, tan, erfinv.
-    "xpu": frozenset({"exp", "log", "pow", "integer_pow", "square", "rsqrt", "reduce_sum",
-                      "cumsum"}),
-    # CPU's list is linear algebra, fft, prod and losses: exp stays bfloat16, and sum, mean,
-    # softmax and layer_norm return bfloat16 (torch's kernels accumulate in float32 inside).
-    "cpu": frozenset({"reduce_prod", "cholesky", "triangular_solve", "lu", "qr", "svd", "eigh",
-                      "fft"}),
+  "cuda": frozenset(
+    {
+      "exp",
+      "expm1",
+      "log",
+      "log1p",
+      "pow",
+      "integer_pow",
+      "square",
+      "rsqrt",
+      "reduce_sum",
+      "reduce_prod",
+      "cumsum",
+      "cumprod",
+      "acos",
+      "asin",
+      "cosh",
+      "sinh",
+      "tan",
+      "erf_inv",
+    }
+  ),
+  # XPU's list is shorter: no log1p, expm1, prod, cumprod, acos, asin, cosh, sinh, tan, erfinv.
+  "xpu": frozenset({"exp", "log", "pow", "integer_pow", "square", "rsqrt", "reduce_sum", "cumsum"}),
+  # CPU's list is linear algebra, fft, prod and losses: exp stays bfloat16, and sum, mean,
+  # softmax and layer_norm return bfloat16 (torch's kernels accumulate in float32 inside).
+  "cpu": frozenset(
+    {"reduce_prod", "cholesky", "triangular_solve", "lu", "qr", "svd", "eigh", "fft"}
+  ),
 }
 
 # torch's float32-listed ops among those the programs use, per device type.
 FLOAT32_OPS = {
-    "cuda": frozenset({"exp", "log", "log1p", "sum", "pow", "rsqrt", "softmax", "log_softmax",
-                       "layer_norm"}),
-    "xpu": frozenset({"exp", "log", "sum", "pow", "rsqrt", "softmax", "log_softmax",
-                      "layer_norm"}),
-    "cpu": frozenset(),
+  "cuda": frozenset(
+    {"exp", "log", "log1p", "sum", "pow", "rsqrt", "softmax", "log_softmax", "layer_norm"}
+  ),
+  "xpu": frozenset({"exp", "log", "sum", "pow", "rsqrt", "softmax", "log_softmax", "layer_norm"}),
+  "cpu": frozenset(),
 }
 
 
@@ -146,14 +168,22 @@ CPU_PLAIN_PROGRAMS = strategies.programs(exclude=strategies.LIBRARY_COMPOSITES)
 # Explicit examples using every layer kind, so each kind is covered whatever is drawn.
 EVERY_KIND = example(program=strategies.program_with_every_kind())
 EVERY_DIFFERENTIABLE_KIND = example(
-    program=strategies.program_with_every_kind(allow_while=False, smooth=True))
+  program=strategies.program_with_every_kind(allow_while=False, smooth=True)
+)
 EVERY_PLAIN_KIND = example(
-    program=strategies.program_with_every_kind(exclude=strategies.LIBRARY_COMPOSITES))
+  program=strategies.program_with_every_kind(exclude=strategies.LIBRARY_COMPOSITES)
+)
 
 
 def property_settings(max_examples):
-  return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
-                  print_blob=True, suppress_health_check=list(HealthCheck))
+  return settings(
+    max_examples=max_examples,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=list(HealthCheck),
+  )
 
 
 STRUCTURE = property_settings(10)
@@ -212,10 +242,12 @@ def low_precision_bias_adds(jaxpr) -> list:
     for eqn in sub.eqns:
       if eqn.primitive.name != "add":
         continue
-      kinds = [made_by[a].primitive.name if is_var(a) and a in made_by else None
-               for a in eqn.invars]
+      kinds = [
+        made_by[a].primitive.name if is_var(a) and a in made_by else None for a in eqn.invars
+      ]
       if any(k in LOWER_PRIMITIVES for k in kinds) and any(
-          k in ("broadcast_in_dim", "convert_element_type") for k in kinds):
+        k in ("broadcast_in_dim", "convert_element_type") for k in kinds
+      ):
         found.append(([a.aval.dtype for a in eqn.invars], eqn.outvars[0].aval.dtype))
   return found
 
@@ -248,8 +280,9 @@ def assert_close_where_not_tiny(actual, reference, rtol: float) -> None:
   bound = rtol * np.maximum(np.abs(r), tiny)
   worst = int(np.argmax(np.abs(a - r) - bound)) if a.size else 0
   assert np.all(np.abs(a - r) <= bound), (
-      f"entry {worst}: {a[worst]} vs float32 {r[worst]} (bound {bound[worst]:.3g}, "
-      f"||r|| = {np.linalg.norm(r):.3g})")
+    f"entry {worst}: {a[worst]} vs float32 {r[worst]} (bound {bound[worst]:.3g}, "
+    f"||r|| = {np.linalg.norm(r):.3g})"
+  )
 
 
 _O0 = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -278,8 +311,12 @@ def gradient_runs(program: strategies.Program) -> dict:
   funs = {"float32": program.loss}
   funs.update({d: jaxamp.autocast(program.loss, device_type=d) for d in DEVICES})
   return compiled(
-      lambda *args: {k: jax.value_and_grad(g, argnums=(0, 1))(*args) for k, g in funs.items()},
-      params, x, ct, flag)
+    lambda *args: {k: jax.value_and_grad(g, argnums=(0, 1))(*args) for k, g in funs.items()},
+    params,
+    x,
+    ct,
+    flag,
+  )
 
 
 devices = pytest.mark.parametrize("device", DEVICES)
@@ -401,13 +438,17 @@ def torch_leaf(kind: str, h, torch):
     var = mean(torch.square(h - mean(h)))
     return (h - mean(h)) * torch.rsqrt(var + strategies.LN_EPSILON) * p + p
   return {
-      "add": lambda: h + p, "mul": lambda: h * p, "tanh": lambda: torch.tanh(h),
-      "exp_abs": lambda: torch.exp(-h.abs()), "log1p_abs": lambda: torch.log1p(h.abs()),
-      "sum": lambda: h + 0.1 * h.sum(-1, keepdim=True), "max": lambda: h - h.amax(-1, True),
-      "mean": lambda: h - mean(h), "softmax": lambda: fn.softmax(h, -1),
-      "log_softmax": lambda: fn.log_softmax(h, -1),
-      "layer_norm_flax": lambda: fn.layer_norm(h, (strategies.D,), p, p,
-                                               strategies.LN_EPSILON),
+    "add": lambda: h + p,
+    "mul": lambda: h * p,
+    "tanh": lambda: torch.tanh(h),
+    "exp_abs": lambda: torch.exp(-h.abs()),
+    "log1p_abs": lambda: torch.log1p(h.abs()),
+    "sum": lambda: h + 0.1 * h.sum(-1, keepdim=True),
+    "max": lambda: h - h.amax(-1, True),
+    "mean": lambda: h - mean(h),
+    "softmax": lambda: fn.softmax(h, -1),
+    "log_softmax": lambda: fn.log_softmax(h, -1),
+    "layer_norm_flax": lambda: fn.layer_norm(h, (strategies.D,), p, p, strategies.LN_EPSILON),
   }[kind]()
 
 
@@ -485,9 +526,9 @@ def test_second_broadcast_add_after_a_dense_layer_promotes_like_torch(device):
 
 
 SCALAR_THROUGH_JIT = {
-    "where": lambda h: jnp.where(h > 0, h, 0.0),
-    "clip": lambda h: jnp.clip(h, 0),
-    "standardize": lambda h: jax.nn.standardize(h, epsilon=0.1),  # clips its variance at 0
+  "where": lambda h: jnp.where(h > 0, h, 0.0),
+  "clip": lambda h: jnp.clip(h, 0),
+  "standardize": lambda h: jax.nn.standardize(h, epsilon=0.1),  # clips its variance at 0
 }
 
 
@@ -498,10 +539,18 @@ def test_python_scalar_passed_through_a_jit_follows_the_other_operand(op):
 
 
 @seed(SEED)
-@settings(max_examples=3, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=list(HealthCheck))
-@given(program=strategies.programs(allow_while=False, smooth=True, max_layers=2, depth=1,
-                                   force_nested_custom_vjp=True))
+@settings(
+  max_examples=3,
+  deadline=None,
+  database=None,
+  phases=[Phase.explicit, Phase.generate],
+  suppress_health_check=list(HealthCheck),
+)
+@given(
+  program=strategies.programs(
+    allow_while=False, smooth=True, max_layers=2, depth=1, force_nested_custom_vjp=True
+  )
+)
 def test_gradient_of_a_custom_vjp_nested_in_another_higher_order_primitive_traces(program):
   params = program.init()
   x, ct, flag = program.inputs()

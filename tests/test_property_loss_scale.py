@@ -38,11 +38,13 @@ import jaxamp
 STEPS = 300
 MAX_BURST = 40
 PARAMS = {
-    "dense": {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4),
-              "b": jnp.linspace(-0.5, 0.5, 5, dtype=jnp.bfloat16)},
-    "half": jnp.linspace(0.25, 1.0, 6, dtype=jnp.float16).reshape(2, 3),
-    "scalar": jnp.asarray(0.5, jnp.float32),
-    "nested": {"bf16": jnp.ones((2, 2), jnp.bfloat16), "f16": jnp.full((4,), -1.0, jnp.float16)},
+  "dense": {
+    "w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4),
+    "b": jnp.linspace(-0.5, 0.5, 5, dtype=jnp.bfloat16),
+  },
+  "half": jnp.linspace(0.25, 1.0, 6, dtype=jnp.float16).reshape(2, 3),
+  "scalar": jnp.asarray(0.5, jnp.float32),
+  "nested": {"bf16": jnp.ones((2, 2), jnp.bfloat16), "f16": jnp.full((4,), -1.0, jnp.float16)},
 }
 LEAVES, TREEDEF = jax.tree.flatten(PARAMS)
 NONE, POS_INF, NEG_INF, NAN = 0, 1, 2, 3
@@ -75,8 +77,10 @@ class Storm:
     ~150 consecutive overflows (see the no-floor tests at the end).
     """
     rng = np.random.default_rng(self.seed)
-    base = [rng.uniform(0.5, 2.0, (STEPS, *x.shape)) * rng.choice([-1.0, 1.0], (STEPS, *x.shape))
-            for x in LEAVES]
+    base = [
+      rng.uniform(0.5, 2.0, (STEPS, *x.shape)) * rng.choice([-1.0, 1.0], (STEPS, *x.shape))
+      for x in LEAVES
+    ]
     codes = [np.zeros((STEPS, *x.shape), np.int8) for x in LEAVES]
     scale, tracker, burst_left = np.float32(self.init_scale), 0, 0
     for step in range(STEPS):
@@ -90,9 +94,13 @@ class Storm:
           codes[leaf][(step, *index)] = rng.integers(1, 4)
       with np.errstate(over="ignore"):
         overflow = inject or any(
-            not np.all(np.isfinite((b[step].astype(np.float32) * scale).astype(_np_dtype(x))
-                                   .astype(np.float32)))
-            for b, x in zip(base, LEAVES, strict=True))
+          not np.all(
+            np.isfinite(
+              (b[step].astype(np.float32) * scale).astype(_np_dtype(x)).astype(np.float32)
+            )
+          )
+          for b, x in zip(base, LEAVES, strict=True)
+        )
       scale, tracker = torch_next_scale(scale, tracker, overflow, self)
     return ([jnp.asarray(b, jnp.float32) for b in base], [jnp.asarray(c) for c in codes])
 
@@ -118,17 +126,24 @@ def torch_next_scale(scale, tracker, found_inf, storm):
 HYPERPARAMETERS = [(2.0, 0.5, 2), (1.1, 0.3, 3), (4.0, 0.25, 1)]
 
 storms = st.builds(
-    lambda hyper, **kwargs: Storm(**kwargs, growth_factor=hyper[0], backoff_factor=hyper[1],
-                                  growth_interval=hyper[2]),
-    hyper=st.sampled_from(HYPERPARAMETERS),
-    seed=st.integers(0, 2**16),
-    injection_rate=st.sampled_from([0.0, 0.05, 0.3, 0.8]),
-    burst_rate=st.sampled_from([0.0, 0.01, 0.05]),
-    init_scale=st.sampled_from([1.0, 2.0**10, 2.0**16, 2.0**24, 3e5]),
+  lambda hyper, **kwargs: Storm(
+    **kwargs, growth_factor=hyper[0], backoff_factor=hyper[1], growth_interval=hyper[2]
+  ),
+  hyper=st.sampled_from(HYPERPARAMETERS),
+  seed=st.integers(0, 2**16),
+  injection_rate=st.sampled_from([0.0, 0.05, 0.3, 0.8]),
+  burst_rate=st.sampled_from([0.0, 0.01, 0.05]),
+  init_scale=st.sampled_from([1.0, 2.0**10, 2.0**16, 2.0**24, 3e5]),
 )
 
-STORM_SETTINGS = settings(max_examples=5, deadline=None, derandomize=True, database=None,
-                          print_blob=True, suppress_health_check=list(HealthCheck))
+STORM_SETTINGS = settings(
+  max_examples=5,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  print_blob=True,
+  suppress_health_check=list(HealthCheck),
+)
 SEED = 6
 
 
@@ -137,16 +152,21 @@ def scaled_gradients(base, codes, scale, like):
   out = []
   for b, c, p in zip(base, codes, like, strict=True):
     g = (b * scale).astype(p.dtype)
-    g = jnp.where(c == POS_INF, jnp.inf, jnp.where(c == NEG_INF, -jnp.inf,
-                                                   jnp.where(c == NAN, jnp.nan, g)))
+    g = jnp.where(
+      c == POS_INF, jnp.inf, jnp.where(c == NEG_INF, -jnp.inf, jnp.where(c == NAN, jnp.nan, g))
+    )
     out.append(g.astype(p.dtype))
   return out
 
 
 def scaler(storm: Storm):
   return jaxamp.dynamic_loss_scale(
-      optimizer(), init_scale=storm.init_scale, growth_factor=storm.growth_factor,
-      backoff_factor=storm.backoff_factor, growth_interval=storm.growth_interval)
+    optimizer(),
+    init_scale=storm.init_scale,
+    growth_factor=storm.growth_factor,
+    backoff_factor=storm.backoff_factor,
+    growth_interval=storm.growth_interval,
+  )
 
 
 @functools.cache
@@ -159,7 +179,7 @@ def trainer(growth_factor: float, backoff_factor: float, growth_interval: int):
     def step(carry, xs):
       params, state = carry
       leaves = jax.tree.leaves(params)
-      grads = scaled_gradients(*xs, jaxamp.get_scale(state), leaves)
+      grads = scaled_gradients(*xs, jaxamp.scaler.get_scale(state), leaves)
       nonfinite = jnp.any(jnp.stack([jnp.any(~jnp.isfinite(g)) for g in grads]))
       updates, state = tx.update(jax.tree.unflatten(TREEDEF, grads), state, params)
       params = optax.apply_updates(params, updates)
@@ -181,7 +201,8 @@ def run(storm: Storm):
   train = trainer(storm.growth_factor, storm.backoff_factor, storm.growth_interval)
   params_h, state_h, nonfinite = jax.device_get(train(PARAMS, state, *storm.arrays()))
   prepend = lambda first, rest: jax.tree.map(
-      lambda a, b: np.concatenate([np.asarray(a)[None], b]), first, rest)
+    lambda a, b: np.concatenate([np.asarray(a)[None], b]), first, rest
+  )
   return prepend(PARAMS, params_h), prepend(jax.device_get(state), state_h), nonfinite
 
 
@@ -211,8 +232,10 @@ def at(history, t):
 
 
 def bitwise_equal(a, b) -> bool:
-  return all(x.dtype == y.dtype and x.tobytes() == y.tobytes()
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+  return all(
+    x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
 
 
 def storm_test(fun):
@@ -243,8 +266,15 @@ def test_skipped_steps_counts_every_skipped_step(storm):
 
 
 def test_float16_gradients_that_overflow_at_a_large_scale_skip_steps_until_it_fits():
-  storm = Storm(seed=1, injection_rate=0.0, burst_rate=0.0, init_scale=2.0**24,
-                growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+  storm = Storm(
+    seed=1,
+    injection_rate=0.0,
+    burst_rate=0.0,
+    init_scale=2.0**24,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=2,
+  )
   _, state, _ = run(storm)
   # 2**24 .. 2**16 overflow float16 (gradients reach 2.0); 2**15 fits.
   assert state.found_inf[1:10].all() and not state.found_inf[10]
@@ -302,12 +332,15 @@ def test_adam_counts_only_the_finite_steps(storm):
 @storm_test
 def test_storm_trains_like_adam_on_the_finite_steps_alone(storm):
   params, state, _ = run(storm)
-  reference = adam_on_finite_steps(*storm.arrays(), jnp.asarray(state.scale[:-1]),
-                                   jnp.asarray(state.found_inf[1:]))
-  for ours, theirs in zip(jax.tree.leaves(at(params, STEPS)), jax.tree.leaves(reference),
-                          strict=True):
-    np.testing.assert_allclose(ours.astype(np.float32), np.asarray(theirs, np.float32),
-                               rtol=1e-5, atol=1e-6)
+  reference = adam_on_finite_steps(
+    *storm.arrays(), jnp.asarray(state.scale[:-1]), jnp.asarray(state.found_inf[1:])
+  )
+  for ours, theirs in zip(
+    jax.tree.leaves(at(params, STEPS)), jax.tree.leaves(reference), strict=True
+  ):
+    np.testing.assert_allclose(
+      ours.astype(np.float32), np.asarray(theirs, np.float32), rtol=1e-5, atol=1e-6
+    )
 
 
 # ------------------------------------------------------------------------------------------------

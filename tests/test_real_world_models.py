@@ -46,7 +46,8 @@ from real_world import equinox_examples, flax_lm1b, flax_nnx_mnist, flax_resnet
 import jaxamp
 
 pytestmark = pytest.mark.filterwarnings(  # lm1b's model code uses linen's SelfAttention
-    "ignore:SelfAttention will be deprecated:DeprecationWarning")
+  "ignore:SelfAttention will be deprecated:DeprecationWarning"
+)
 
 STEPS, LOSS_RTOL = 8, 0.15
 F32 = jnp.dtype(jnp.float32)
@@ -59,9 +60,9 @@ class Policy(NamedTuple):
 
 
 POLICIES = {
-    "float32": Policy(None, False, F32),
-    "bfloat16": Policy({"device_type": "cpu"}, False, jnp.dtype(jnp.bfloat16)),
-    "float16": Policy({"device_type": "cuda"}, True, jnp.dtype(jnp.float16)),
+  "float32": Policy(None, False, F32),
+  "bfloat16": Policy({"device_type": "cpu"}, False, jnp.dtype(jnp.bfloat16)),
+  "float16": Policy({"device_type": "cuda"}, True, jnp.dtype(jnp.float16)),
 }
 MIXED = ["bfloat16", "float16"]
 
@@ -119,11 +120,11 @@ def train_arrays(loss_of, params, state, batch, policy, learning_rate=1e-2) -> R
   jaxpr = traced(step, params, state, opt_state, batch)
   jitted, losses, skipped = jax.jit(step), [], 0
   for _ in range(STEPS):
-    scale = jaxamp.get_scale(opt_state) if POLICIES[policy].scaled else 1.0
+    scale = jaxamp.scaler.get_scale(opt_state) if POLICIES[policy].scaled else 1.0
     params, state, opt_state, loss = jitted(params, state, opt_state, batch)
     losses.append(float(loss))
     if POLICIES[policy].scaled:
-      skipped += int(jaxamp.get_scale(opt_state) < scale)  # a skipped step backs the scale off
+      skipped += int(jaxamp.scaler.get_scale(opt_state) < scale)  # a skipped step backs off
   return Run(np.asarray(losses), state, jaxpr, skipped)
 
 
@@ -143,8 +144,7 @@ def train_resnet(model, policy: str) -> Run:
   variables = model.init(jax.random.key(0), RESNET_X[:1], train=False)
   params, state = variables["params"], {"batch_stats": variables["batch_stats"]}
   loss_of = resnet_loss(model)
-  train_state = TrainState.create(apply_fn=model.apply, params=params,
-                                  tx=optimizer(policy, 1e-3))
+  train_state = TrainState.create(apply_fn=model.apply, params=params, tx=optimizer(policy, 1e-3))
   kwargs = POLICIES[policy].autocast or {"enabled": False}
   step = jaxamp.make_train_step(loss_of, **kwargs)
   jaxpr = traced(step, train_state, batch, state)
@@ -157,14 +157,16 @@ def train_resnet(model, policy: str) -> Run:
 
 
 def resnet(dtype=jnp.float32):
-  return flax_resnet.ResNet(stage_sizes=[1, 1], block_cls=flax_resnet.ResNetBlock, num_classes=4,
-                            num_filters=4, dtype=dtype)
+  return flax_resnet.ResNet(
+    stage_sizes=[1, 1], block_cls=flax_resnet.ResNetBlock, num_classes=4, num_filters=4, dtype=dtype
+  )
 
 
 def resnet_loss(model):
   def loss_of(params, batch, state):
-    logits, updates = model.apply({"params": params, **state}, batch[0], train=True,
-                                  mutable=["batch_stats"])
+    logits, updates = model.apply(
+      {"params": params, **state}, batch[0], train=True, mutable=["batch_stats"]
+    )
     labels = batch[1]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     return loss.mean(), updates
@@ -197,8 +199,18 @@ def resnet_gradients(policy: str, dtype=jnp.float32) -> jax.Array:
 # --- flax examples/lm1b TransformerLM (linen, LayerNorm, padding masks) --------------------------
 
 LM1B_CONFIG = flax_lm1b.TransformerConfig(
-    vocab_size=32, output_vocab_size=32, emb_dim=16, num_heads=2, num_layers=1, qkv_dim=16,
-    mlp_dim=32, max_len=8, dropout_rate=0.0, attention_dropout_rate=0.0, deterministic=True)
+  vocab_size=32,
+  output_vocab_size=32,
+  emb_dim=16,
+  num_heads=2,
+  num_layers=1,
+  qkv_dim=16,
+  mlp_dim=32,
+  max_len=8,
+  dropout_rate=0.0,
+  attention_dropout_rate=0.0,
+  deterministic=True,
+)
 LM1B_LENGTHS = (8, 6, 4, 3)  # tokens after these are padding (0): whole rows of keys are masked
 
 
@@ -298,9 +310,13 @@ HAIKU_Y = jnp.asarray(np.random.default_rng(4).integers(0, 4, 8), jnp.int32)
 
 
 def haiku_forward(x, y):
-  net = hk.nets.ResNet(blocks_per_group=(1, 1, 1, 1), num_classes=4, bottleneck=False,
-                       channels_per_group=(4, 8, 8, 8),
-                       initial_conv_config={"output_channels": 4})
+  net = hk.nets.ResNet(
+    blocks_per_group=(1, 1, 1, 1),
+    num_classes=4,
+    bottleneck=False,
+    channels_per_group=(4, 8, 8, 8),
+    initial_conv_config={"output_channels": 4},
+  )
   logits = net(x, is_training=True)
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
 
@@ -317,12 +333,12 @@ def train_haiku_resnet(policy: str) -> Run:
 
 
 TRAIN = {
-    "flax_resnet": train_flax_resnet,
-    "flax_lm1b": train_flax_lm1b,
-    "nnx_mnist": train_nnx_mnist,
-    "equinox_cnn": train_equinox_cnn,
-    "equinox_stateful": train_equinox_stateful,
-    "haiku_resnet": train_haiku_resnet,
+  "flax_resnet": train_flax_resnet,
+  "flax_lm1b": train_flax_lm1b,
+  "nnx_mnist": train_nnx_mnist,
+  "equinox_cnn": train_equinox_cnn,
+  "equinox_stateful": train_equinox_stateful,
+  "haiku_resnet": train_haiku_resnet,
 }
 WITH_RSQRT_NORMS = ["flax_resnet", "flax_lm1b", "nnx_mnist", "haiku_resnet"]
 WITH_STATE = ["flax_resnet", "nnx_mnist", "equinox_stateful", "haiku_resnet"]
@@ -371,8 +387,9 @@ def test_equinox_batch_norm_divides_by_a_float32_sqrt(policy):
   def loss_of(params, state, xs, ys):
     return equinox_examples.compute_loss(eqx.combine(params, static), state, xs, ys)
 
-  explanation = jaxamp.explain(loss_of, **POLICIES[policy].autocast)(params, state, xs,
-                                                                      jnp.sin(xs) + 1)
+  explanation = jaxamp.explain(loss_of, **POLICIES[policy].autocast)(
+    params, state, xs, jnp.sin(xs) + 1
+  )
   rows = [row for row in explanation.to_dicts() if row["rule"].startswith("op batch_norm")]
   norm_math = [row for row in rows if row["primitive"] in ("sqrt", "div")]
   assert norm_math and {row["outputs"] for row in norm_math} == {("float32",)}

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 SCRIPT = textwrap.dedent(
-    """
+  """
     import json, traceback
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, PartitionSpec as P
@@ -267,16 +267,18 @@ def test_overflow_on_one_shard_backs_the_scale_off_identically_on_every_device(r
 @pytest.mark.parametrize("name", UPDATE_EVERY_STEP)
 def test_the_scale_grows_after_growth_interval_finite_steps_on_every_device(result, name):
   log = case(result, name)
-  assert [e["scale"] for e in log] == [[s] * 8 for s in (2.0**10, 2.0**11, 2.0**10, 2.0**10,
-                                                         2.0**11, 2.0**11)]
+  assert [e["scale"] for e in log] == [
+    [s] * 8 for s in (2.0**10, 2.0**11, 2.0**10, 2.0**10, 2.0**11, 2.0**11)
+  ]
   assert [e["growth_tracker"] for e in log] == [[t] * 8 for t in (1, 0, 0, 1, 0, 1)]
   assert [e["scale"][0] for e in log] == [e["unsharded"][0] for e in log]
 
 
 def test_multi_steps_scale_follows_the_emitted_steps_like_the_unsharded_run(result):
   log = case(result, "multi_steps")
-  assert [e["scale"] for e in log] == [[s] * 8 for s in (2.0**10, 2.0**10, 2.0**10, 2.0**9,
-                                                         2.0**9, 2.0**9)]
+  assert [e["scale"] for e in log] == [
+    [s] * 8 for s in (2.0**10, 2.0**10, 2.0**10, 2.0**9, 2.0**9, 2.0**9)
+  ]
   assert [e["scale"][0] for e in log] == [e["unsharded"][0] for e in log]
 
 

@@ -17,8 +17,10 @@ from flax import nnx
 
 import jaxamp
 
-POLICIES = [pytest.param("cuda", jnp.float16, id="cuda"),
-            pytest.param("cpu", jnp.bfloat16, id="cpu")]
+POLICIES = [
+  pytest.param("cuda", jnp.float16, id="cuda"),
+  pytest.param("cpu", jnp.bfloat16, id="cpu"),
+]
 F32 = jnp.dtype(jnp.float32)
 X = jnp.asarray(np.random.default_rng(0).standard_normal((4, 6)), jnp.float32)
 
@@ -32,8 +34,9 @@ def dtypes(tree) -> set:
 
 def spectral_norm():
   key = jax.random.key(0)
-  return eqx.nn.make_with_state(eqx.nn.SpectralNorm)(eqx.nn.Linear(6, 6, key=key), "weight",
-                                                      key=key)
+  return eqx.nn.make_with_state(eqx.nn.SpectralNorm)(
+    eqx.nn.Linear(6, 6, key=key), "weight", key=key
+  )
 
 
 def eqx_forward(model, x, state):
@@ -114,7 +117,8 @@ def test_linen_collection_created_by_the_call_keeps_the_low_dtype(device_type, l
 
   variables = Sows().init(jax.random.key(0), X)
   _, mutated = jaxamp.autocast(Sows().apply, device_type=device_type)(
-      variables, X, mutable=["intermediates"])
+    variables, X, mutable=["intermediates"]
+  )
   assert dtypes(mutated) == {jnp.dtype(low)}
 
 
@@ -142,8 +146,7 @@ def test_haiku_state_keeps_its_dtype(device_type, low):
 @pytest.mark.parametrize("device_type,low", POLICIES)
 def test_haiku_output_next_to_the_state_keeps_the_low_dtype(device_type, low):
   params, state = haiku_last_hidden.init(jax.random.key(0), X)
-  out, _ = jaxamp.autocast(haiku_last_hidden.apply, device_type=device_type)(
-      params, state, None, X)
+  out, _ = jaxamp.autocast(haiku_last_hidden.apply, device_type=device_type)(params, state, None, X)
   assert out.dtype == low
 
 

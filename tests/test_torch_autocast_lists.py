@@ -25,14 +25,11 @@ Every entry passes, is a ``DIVERGENCES`` entry or is ``NOT_APPLICABLE``, each wi
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
 import operator
 import pathlib
 import zlib
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -41,6 +38,33 @@ import numpy as np
 import pytest
 import script_modules
 from jax import lax
+from op_list_entries import (
+  CONV,
+  FLOATS,
+  JAX_DTYPES,
+  PRECISION,
+  WIDTH,
+  In,
+  M,
+  N,
+  Spelling,
+  V,
+  assert_close,
+  bf16,
+  conv,
+  conv_tbc,
+  conv_transpose,
+  dtype_names,
+  f16,
+  f32,
+  flat,
+  given,
+  i32,
+  i64,
+  low,
+  random_values,
+  unreduced,
+)
 
 import jaxamp
 from jaxamp import functional
@@ -52,76 +76,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:scatter inputs have incompatible
 GOLDEN = pathlib.Path(__file__).parent / "goldens" / "torch_autocast_lists.json"
 RECORDED = json.loads(GOLDEN.read_text())
 CPU_MODES = tuple(RECORDED["cpu_modes"])
-HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
 # --- inputs ------------------------------------------------------------------------------------
-
-
-class In(NamedTuple):
-  """A tensor argument of an entry.
-
-  Attributes:
-    dtype: torch's dtype name; "low" is the CPU mode's dtype.
-    shape: its shape.
-    kind: how its values are drawn: "normal"; "positive" (0.1 to 2, torch's ``clamp(0.1, ...)``);
-      "unit" (-0.9 to 0.9); "tan" (-1.5 to 1.5); "rand" (0 to 1, ``torch.rand``); "ones";
-      "zeros"; "randint2" (0 or 1); or "values" (``values``).
-    values: the values of a "values" input.
-  """
-
-  dtype: str
-  shape: tuple[int, ...]
-  kind: str = "normal"
-  values: Any = None
-
-
-def f32(*shape: int, kind: str = "normal") -> In:
-  return In("float32", shape, kind)
-
-
-def f16(*shape: int, kind: str = "normal") -> In:
-  return In("float16", shape, kind)
-
-
-def bf16(*shape: int, kind: str = "normal") -> In:
-  return In("bfloat16", shape, kind)
-
-
-def low(*shape: int, kind: str = "normal") -> In:
-  return In("low", shape, kind)
-
-
-def i64(*shape: int, kind: str = "zeros") -> In:
-  return In("int64", shape, kind)
-
-
-def i32(*shape: int, kind: str = "ones") -> In:
-  return In("int32", shape, kind)
-
-
-def given(dtype: str, values: list) -> In:
-  return In(dtype, np.shape(values), "values", values)
-
-
-_JAX_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16,
-               "int64": jnp.int32, "int32": jnp.int32, "bool": jnp.bool_}
-_FLOATS = ("float32", "float16", "bfloat16")
-
-
-def _values(spec: In, rng: np.random.Generator) -> np.ndarray:
-  draw = {
-      "normal": lambda: rng.standard_normal(spec.shape),
-      "positive": lambda: rng.uniform(0.1, 2.0, spec.shape),
-      "unit": lambda: rng.uniform(-0.9, 0.9, spec.shape),
-      "tan": lambda: rng.uniform(-1.5, 1.5, spec.shape),
-      "rand": lambda: rng.uniform(0.0, 1.0, spec.shape),
-      "ones": lambda: np.ones(spec.shape),
-      "zeros": lambda: np.zeros(spec.shape),
-      "randint2": lambda: rng.integers(0, 2, spec.shape),
-      "values": lambda: np.asarray(spec.values),
-  }
-  return draw[spec.kind]()
 
 
 def dtype_name(spec: In, mode: str) -> str:
@@ -129,31 +86,6 @@ def dtype_name(spec: In, mode: str) -> str:
 
 
 # --- JAX spellings -----------------------------------------------------------------------------
-
-
-def _conv(x, w, b=None):
-  """torch's conv{1,2,3}d (N, C, *spatial) with an (O, I, *kernel) weight, stride 1, no padding."""
-  spatial = "DHW"[3 - (x.ndim - 2):]
-  y = lax.conv_general_dilated(x, w, (1,) * (x.ndim - 2), "VALID",
-                               dimension_numbers=("NC" + spatial, "OI" + spatial, "NC" + spatial))
-  return y if b is None else y + b.reshape((-1,) + (1,) * (x.ndim - 2))
-
-
-def _conv_transpose(x, w):
-  """torch's conv_transpose{1,2,3}d (weight (I, O, *kernel)), stride 1, as a convolution."""
-  n = x.ndim - 2
-  spatial = "DHW"[3 - n:]
-  kernel = jnp.swapaxes(jnp.flip(w, tuple(range(2, w.ndim))), 0, 1)
-  pads = [(k - 1, k - 1) for k in w.shape[2:]]
-  return lax.conv_general_dilated(x, kernel, (1,) * n, pads,
-                                  dimension_numbers=("NC" + spatial, "OI" + spatial,
-                                                     "NC" + spatial))
-
-
-def _conv_tbc(x, w, b, pad=0):
-  """torch.conv_tbc: (time, batch, channels) input, (kernel, in, out) weight."""
-  return lax.conv_general_dilated(x, w, (1,), [(pad, pad)],
-                                  dimension_numbers=("HNC", "HIO", "HNC")) + b
 
 
 def _linear(x, w, b):
@@ -175,8 +107,9 @@ def _gru_cell(x, h, w_ih, w_hh, b_ih, b_hh):
 
 
 def _rnn_cell(activation):
-  return lambda x, h, w_ih, w_hh, b_ih, b_hh: activation(_linear(x, w_ih, b_ih)
-                                                         + _linear(h, w_hh, b_hh))
+  return lambda x, h, w_ih, w_hh, b_ih, b_hh: activation(
+    _linear(x, w_ih, b_ih) + _linear(h, w_hh, b_hh)
+  )
 
 
 def _multi_head_attention(q, k, v, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads=4):
@@ -202,31 +135,28 @@ def _scatter_add(x, index, src):
   return x.at[index, j, k].add(src)
 
 
-def _unreduced(loss):
-  """A loss with ``reduction="none"``: the lists call the ATen ops, whose default it is."""
-  return functools.partial(loss, reduction="none")
-
-
 def _avg_pool3d(x):
   """torch's avg_pool3d on an unbatched (C, D, H, W) input, kernel 3, stride 1."""
   y = nn.avg_pool(jnp.moveaxis(x, 0, -1)[None], (3, 3, 3), strides=(1, 1, 1))
   return jnp.moveaxis(y[0], -1, 0)
 
 
-_N = 8
-M = f32(_N, _N)  # the lists' mat*_fp32
-V = f32(_N)  # pointwise*_fp32
-H = f16(_N)  # pointwise*_fp16
-HM = f16(_N, _N)  # mat*_fp16
-CONV = {1: (f32(_N, _N, _N),) * 2, 2: (f32(_N, _N, _N, _N),) * 2, 3: (f32(_N, _N, _N, _N, _N),) * 2}
-
-Spelling = tuple[Callable[..., Any], tuple[In, ...]]
+H = f16(N)  # pointwise*_fp16
+HM = f16(N, N)  # mat*_fp16
 
 
 def _builtin_promote(mixed: tuple[In, In]) -> dict[str, Spelling]:
-  ops = {"eq": operator.eq, "ge": operator.ge, "gt": operator.gt, "le": operator.le,
-         "lt": operator.lt, "ne": operator.ne, "add": operator.add, "div": operator.truediv,
-         "mul": operator.mul}
+  ops = {
+    "eq": operator.eq,
+    "ge": operator.ge,
+    "gt": operator.gt,
+    "le": operator.le,
+    "lt": operator.lt,
+    "ne": operator.ne,
+    "add": operator.add,
+    "div": operator.truediv,
+    "mul": operator.mul,
+  }
   return {name: (op, mixed) for name, op in ops.items()}
 
 
@@ -236,282 +166,337 @@ def _methods_builtin_promote(mixed: tuple[In, In]) -> dict[str, Spelling]:
 
 def _norm_rows(x: In) -> dict[str, Spelling]:
   return {
-      "norm": (jnp.linalg.norm, (x,)),
-      "norm#2": (lambda a: jnp.linalg.norm(a, axis=0), (x,)),
-      "norm#3": (lambda a: jnp.linalg.norm(a, ord=1), (x,)),
-      "norm#4": (lambda a: jnp.linalg.norm(a, ord=1, axis=0), (x,)),
+    "norm": (jnp.linalg.norm, (x,)),
+    "norm#2": (lambda a: jnp.linalg.norm(a, axis=0), (x,)),
+    "norm#3": (lambda a: jnp.linalg.norm(a, ord=1), (x,)),
+    "norm#4": (lambda a: jnp.linalg.norm(a, ord=1, axis=0), (x,)),
   }
 
 
 # AutocastTestLists (CUDA): list -> entry id -> (JAX spelling, its tensor arguments).
 CUDA: dict[str, dict[str, Spelling]] = {
-    "torch_expect_builtin_promote": {
-        **_builtin_promote((V, H)),
-        "cat": (lambda a, b: jnp.concatenate([a, b]), (H, V)),
-        "equal": (jnp.array_equal, (V, H)),
-        "stack": (lambda a, b: jnp.stack([a, b]), (H, V)),
-    },
-    "methods_expect_builtin_promote": _methods_builtin_promote((V, H)),
-    "torch_fp16": {
-        "_convolution": (_conv, (*CONV[2], V)),
-        "_convolution#2": (_conv, (*CONV[2], V)),
-        "conv1d": (_conv, CONV[1]),
-        "conv2d": (_conv, CONV[2]),
-        "conv3d": (_conv, CONV[3]),
-        "conv_tbc": (_conv_tbc, (*CONV[1], V)),
-        "conv_transpose1d": (_conv_transpose, CONV[1]),
-        "conv_transpose2d": (_conv_transpose, CONV[2]),
-        "conv_transpose3d": (_conv_transpose, CONV[3]),
-        "convolution": (_conv, (*CONV[2], V)),
-        "cudnn_convolution": (_conv, CONV[2]),
-        "cudnn_convolution_transpose": (_conv_transpose, CONV[2]),
-        "prelu": (functional.prelu, (V, f32(1))),
-        "addmm": (lambda c, a, b: c + a @ b, (M, M, M)),
-        "addmv": (lambda c, a, v: c + a @ v, (V, M, V)),
-        "addr": (lambda c, u, v: c + jnp.outer(u, v), (M, V, V)),
-        "matmul": (jnp.matmul, (M, M)),
-        # torch's test never runs this entry: its operands sit where test_cuda.py reads the ROCm
-        # skip flag (and its equation where the operands belong). Here they get the 4 axes the
-        # equation names.
-        "einsum": (lambda a, b: jnp.einsum("bkhd,bqhd->bqkh", a[None, :, None], b[None, :, None]),
-                   (M, M)),
-        "mm": (operator.matmul, (M, M)),
-        "mv": (operator.matmul, (M, V)),
-        "chain_matmul": (lambda a, b, c: jnp.linalg.multi_dot([a, b, c]), (M, M, M)),
-        "addbmm": (lambda c, x, y: c + jnp.einsum("bij,bjk->ik", x, y),
-                   (M, f32(_N, _N, _N), f32(_N, _N, _N))),
-        "baddbmm": (lambda c, x, y: c + x @ y, (f32(_N, _N, _N),) * 3),
-        "bmm": (jnp.matmul, (f32(_N, _N, _N),) * 2),
-        "lstm_cell": (_lstm_cell, (M, M, M, f32(4 * _N, _N), f32(4 * _N, _N), f32(4 * _N),
-                                   f32(4 * _N))),
-        "gru_cell": (_gru_cell, (M, M, f32(3 * _N, _N), f32(3 * _N, _N), f32(3 * _N),
-                                 f32(3 * _N))),
-        "rnn_tanh_cell": (_rnn_cell(jnp.tanh), (M, M, M, M, V, V)),
-        "rnn_relu_cell": (_rnn_cell(jax.nn.relu), (M, M, M, M, V, V)),
-    },
-    "torch_fp32": {
-        "acos": (jnp.arccos, (f16(_N, kind="unit"),)),
-        "asin": (jnp.arcsin, (f16(_N, kind="unit"),)),
-        "cosh": (jnp.cosh, (H,)),
-        "erfinv": (jax.scipy.special.erfinv, (f16(_N, kind="unit"),)),
-        "exp": (jnp.exp, (H,)),
-        "expm1": (jnp.expm1, (H,)),
-        "log": (jnp.log, (f16(_N, kind="positive"),)),
-        "log10": (jnp.log10, (f16(_N, kind="positive"),)),
-        "log2": (jnp.log2, (f16(_N, kind="positive"),)),
-        "log1p": (jnp.log1p, (f16(_N, kind="positive"),)),
-        "reciprocal": (jnp.reciprocal, (H,)),
-        "rsqrt": (lax.rsqrt, (f16(_N, kind="positive"),)),
-        "sinh": (jnp.sinh, (H,)),
-        "tan": (jnp.tan, (f16(_N, kind="tan"),)),
-        "pow": (jnp.power, (f16(_N, kind="positive"), H)),
-        "pow#2": (lambda x: x**1.7, (f16(_N, kind="positive"),)),
-        "softmax": (lambda x: jax.nn.softmax(x, axis=0), (H,)),
-        "log_softmax": (lambda x: jax.nn.log_softmax(x, axis=0), (H,)),
-        "layer_norm": (lambda x: nn.LayerNorm(use_scale=False, use_bias=False).apply({}, x),
-                       (H,)),
-        "rms_norm": (lambda x: nn.RMSNorm(use_scale=False).apply({}, x), (H,)),
-        "group_norm": (lambda x: functional.group_norm(x, 1), (HM,)),
-        **_norm_rows(H),
-        "cosine_similarity": (functional.cosine_similarity, (HM, HM)),
-        "poisson_nll_loss": (lambda x, t: functional.poisson_nll_loss(x, t, True, False, eps=1e-8),
-                             (HM, HM)),
-        "cosine_embedding_loss": (_unreduced(functional.cosine_embedding_loss),
-                                  (given("float16", [[1, 2, 3]]), given("float16", [[1, 3, 4]]),
-                                   given("int32", [1]))),
-        "hinge_embedding_loss": (_unreduced(functional.hinge_embedding_loss), (HM, i32(_N))),
-        "kl_div": (_unreduced(functional.kl_div), (HM, f16(_N, _N, kind="rand"))),
-        "margin_ranking_loss": (_unreduced(functional.margin_ranking_loss),
-                                (HM, HM, f16(_N, kind="ones"))),
-        "triplet_margin_loss": (_unreduced(functional.triplet_margin_loss), (HM, HM, HM)),
-        "binary_cross_entropy_with_logits": (
-            _unreduced(functional.binary_cross_entropy_with_logits),
-            (HM, f16(_N, _N, kind="rand"))),
-        "cumprod": (lambda x: jnp.cumprod(x, axis=0), (H,)),
-        "cumsum": (lambda x: jnp.cumsum(x, axis=0), (H,)),
-        "dist": (functional.dist, (H, H)),
-        "pdist": (functional.pdist, (HM,)),
-        "cdist": (functional.cdist, (HM, HM)),
-        "prod": (jnp.prod, (H,)),
-        "prod#2": (lambda x: jnp.prod(x, axis=0), (H,)),
-        "renorm": (lambda x: functional.renorm(x, 2, 0, 1.0), (HM,)),
-        "sum": (jnp.sum, (H,)),
-        "sum#2": (lambda x: jnp.sum(x, axis=1), (HM,)),
-        "logsumexp": (lambda x: jax.nn.logsumexp(x, axis=1), (HM,)),
-    },
-    "torch_need_autocast_promote": {
-        "addcdiv": (lambda t, a, b: t + a / b, (V, H, f16(_N, kind="positive"))),
-        "addcmul": (lambda t, a, b: t + a * b, (V, H, H)),
-        "atan2": (jnp.arctan2, (V, f16(_N, kind="positive"))),
-        "bilinear": (functional.bilinear, (f16(1, 2), f32(1, 2), f16(1, 2, 2), f32(1))),
-        "cross": (jnp.cross, (f32(3), f16(3))),
-        "dot": (jnp.dot, (H, V)),
-        "vdot": (jnp.vdot, (H, V)),
-        "index_put": (lambda x, i, v: x.at[i].set(v), (V, i64(1, kind="ones"), f16(1))),
-        "index_put#2": (lambda x, i, v: x.at[i].set(v), (H, i64(1, kind="ones"), f32(1))),
-        "tensordot": (jnp.tensordot, (f32(2, 2, 2), f16(2, 2, 2))),
-        "scatter_add": (_scatter_add, (f32(2, 2, 2, kind="zeros"), i64(2, 2, 2, kind="randint2"),
-                                       f16(2, 2, 2))),
-        "scatter_add#2": (_scatter_add, (f16(2, 2, 2, kind="zeros"),
-                                         i64(2, 2, 2, kind="randint2"), f32(2, 2, 2))),
-    },
-    "nn_fp16": {
-        "linear": (_linear, (M, M, M)),
-    },
-    "nn_fp32": {
-        "softplus": (jax.nn.softplus, (H,)),
-        "nll_loss": (_unreduced(functional.nll_loss), (f32(_N, _N, kind="rand"), i64(_N))),
-        "nll_loss2d": (_unreduced(functional.nll_loss),
-                       (f16(_N, _N, _N, _N, kind="rand"), i64(_N, _N, _N))),
-        "l1_loss": (_unreduced(functional.l1_loss), (HM, HM)),
-        "smooth_l1_loss": (_unreduced(functional.smooth_l1_loss), (HM, HM)),
-        "mse_loss": (_unreduced(functional.mse_loss), (HM, HM)),
-        "multilabel_margin_loss": (_unreduced(functional.multilabel_margin_loss),
-                                   (HM, i64(_N, _N, kind="ones"))),
-        "soft_margin_loss": (_unreduced(functional.soft_margin_loss),
-                             (HM, i64(_N, _N, kind="ones"))),
-        "multi_margin_loss": (_unreduced(functional.multi_margin_loss),
-                              (HM, i64(_N, kind="ones"))),
-    },
-    "linalg_fp16": {
-        "linalg_vecdot": (jnp.linalg.vecdot, (M, M)),
-        "linalg_multi_dot": (lambda a, b, c: jnp.linalg.multi_dot([a, b, c]), (M, M, M)),
-    },
-    "methods_fp16": {
-        "__matmul__": (operator.matmul, (M, M)),
-    },
-    "methods_fp32": {
-        "__pow__": (lambda x: x**1.5, (f16(_N, kind="rand"),)),
-    },
-    "banned": {
-        "binary_cross_entropy": (_unreduced(functional.binary_cross_entropy),
-                                 (f32(_N, _N, kind="rand"), f32(_N, _N, kind="rand"))),
-    },
+  "torch_expect_builtin_promote": {
+    **_builtin_promote((V, H)),
+    "cat": (lambda a, b: jnp.concatenate([a, b]), (H, V)),
+    "equal": (jnp.array_equal, (V, H)),
+    "stack": (lambda a, b: jnp.stack([a, b]), (H, V)),
+  },
+  "methods_expect_builtin_promote": _methods_builtin_promote((V, H)),
+  "torch_fp16": {
+    "_convolution": (conv, (*CONV[2], V)),
+    "_convolution#2": (conv, (*CONV[2], V)),
+    "conv1d": (conv, CONV[1]),
+    "conv2d": (conv, CONV[2]),
+    "conv3d": (conv, CONV[3]),
+    "conv_tbc": (conv_tbc, (*CONV[1], V)),
+    "conv_transpose1d": (conv_transpose, CONV[1]),
+    "conv_transpose2d": (conv_transpose, CONV[2]),
+    "conv_transpose3d": (conv_transpose, CONV[3]),
+    "convolution": (conv, (*CONV[2], V)),
+    "cudnn_convolution": (conv, CONV[2]),
+    "cudnn_convolution_transpose": (conv_transpose, CONV[2]),
+    "prelu": (functional.prelu, (V, f32(1))),
+    "addmm": (lambda c, a, b: c + a @ b, (M, M, M)),
+    "addmv": (lambda c, a, v: c + a @ v, (V, M, V)),
+    "addr": (lambda c, u, v: c + jnp.outer(u, v), (M, V, V)),
+    "matmul": (jnp.matmul, (M, M)),
+    # torch's test never runs this entry: its operands sit where test_cuda.py reads the ROCm
+    # skip flag (and its equation where the operands belong). Here they get the 4 axes the
+    # equation names.
+    "einsum": (
+      lambda a, b: jnp.einsum("bkhd,bqhd->bqkh", a[None, :, None], b[None, :, None]),
+      (M, M),
+    ),
+    "mm": (operator.matmul, (M, M)),
+    "mv": (operator.matmul, (M, V)),
+    "chain_matmul": (lambda a, b, c: jnp.linalg.multi_dot([a, b, c]), (M, M, M)),
+    "addbmm": (
+      lambda c, x, y: c + jnp.einsum("bij,bjk->ik", x, y),
+      (M, f32(N, N, N), f32(N, N, N)),
+    ),
+    "baddbmm": (lambda c, x, y: c + x @ y, (f32(N, N, N),) * 3),
+    "bmm": (jnp.matmul, (f32(N, N, N),) * 2),
+    "lstm_cell": (
+      _lstm_cell,
+      (M, M, M, f32(4 * N, N), f32(4 * N, N), f32(4 * N), f32(4 * N)),
+    ),
+    "gru_cell": (_gru_cell, (M, M, f32(3 * N, N), f32(3 * N, N), f32(3 * N), f32(3 * N))),
+    "rnn_tanh_cell": (_rnn_cell(jnp.tanh), (M, M, M, M, V, V)),
+    "rnn_relu_cell": (_rnn_cell(jax.nn.relu), (M, M, M, M, V, V)),
+  },
+  "torch_fp32": {
+    "acos": (jnp.arccos, (f16(N, kind="unit"),)),
+    "asin": (jnp.arcsin, (f16(N, kind="unit"),)),
+    "cosh": (jnp.cosh, (H,)),
+    "erfinv": (jax.scipy.special.erfinv, (f16(N, kind="unit"),)),
+    "exp": (jnp.exp, (H,)),
+    "expm1": (jnp.expm1, (H,)),
+    "log": (jnp.log, (f16(N, kind="positive"),)),
+    "log10": (jnp.log10, (f16(N, kind="positive"),)),
+    "log2": (jnp.log2, (f16(N, kind="positive"),)),
+    "log1p": (jnp.log1p, (f16(N, kind="positive"),)),
+    "reciprocal": (jnp.reciprocal, (H,)),
+    "rsqrt": (lax.rsqrt, (f16(N, kind="positive"),)),
+    "sinh": (jnp.sinh, (H,)),
+    "tan": (jnp.tan, (f16(N, kind="tan"),)),
+    "pow": (jnp.power, (f16(N, kind="positive"), H)),
+    "pow#2": (lambda x: x**1.7, (f16(N, kind="positive"),)),
+    "softmax": (lambda x: jax.nn.softmax(x, axis=0), (H,)),
+    "log_softmax": (lambda x: jax.nn.log_softmax(x, axis=0), (H,)),
+    "layer_norm": (lambda x: nn.LayerNorm(use_scale=False, use_bias=False).apply({}, x), (H,)),
+    "rms_norm": (lambda x: nn.RMSNorm(use_scale=False).apply({}, x), (H,)),
+    "group_norm": (lambda x: functional.group_norm(x, 1), (HM,)),
+    **_norm_rows(H),
+    "cosine_similarity": (functional.cosine_similarity, (HM, HM)),
+    "poisson_nll_loss": (
+      lambda x, t: functional.poisson_nll_loss(x, t, True, False, eps=1e-8),
+      (HM, HM),
+    ),
+    "cosine_embedding_loss": (
+      unreduced(functional.cosine_embedding_loss),
+      (given("float16", [[1, 2, 3]]), given("float16", [[1, 3, 4]]), given("int32", [1])),
+    ),
+    "hinge_embedding_loss": (unreduced(functional.hinge_embedding_loss), (HM, i32(N))),
+    "kl_div": (unreduced(functional.kl_div), (HM, f16(N, N, kind="rand"))),
+    "margin_ranking_loss": (
+      unreduced(functional.margin_ranking_loss),
+      (HM, HM, f16(N, kind="ones")),
+    ),
+    "triplet_margin_loss": (unreduced(functional.triplet_margin_loss), (HM, HM, HM)),
+    "binary_cross_entropy_with_logits": (
+      unreduced(functional.binary_cross_entropy_with_logits),
+      (HM, f16(N, N, kind="rand")),
+    ),
+    "cumprod": (lambda x: jnp.cumprod(x, axis=0), (H,)),
+    "cumsum": (lambda x: jnp.cumsum(x, axis=0), (H,)),
+    "dist": (functional.dist, (H, H)),
+    "pdist": (functional.pdist, (HM,)),
+    "cdist": (functional.cdist, (HM, HM)),
+    "prod": (jnp.prod, (H,)),
+    "prod#2": (lambda x: jnp.prod(x, axis=0), (H,)),
+    "renorm": (lambda x: functional.renorm(x, 2, 0, 1.0), (HM,)),
+    "sum": (jnp.sum, (H,)),
+    "sum#2": (lambda x: jnp.sum(x, axis=1), (HM,)),
+    "logsumexp": (lambda x: jax.nn.logsumexp(x, axis=1), (HM,)),
+  },
+  "torch_need_autocast_promote": {
+    "addcdiv": (lambda t, a, b: t + a / b, (V, H, f16(N, kind="positive"))),
+    "addcmul": (lambda t, a, b: t + a * b, (V, H, H)),
+    "atan2": (jnp.arctan2, (V, f16(N, kind="positive"))),
+    "bilinear": (functional.bilinear, (f16(1, 2), f32(1, 2), f16(1, 2, 2), f32(1))),
+    "cross": (jnp.cross, (f32(3), f16(3))),
+    "dot": (jnp.dot, (H, V)),
+    "vdot": (jnp.vdot, (H, V)),
+    "index_put": (lambda x, i, v: x.at[i].set(v), (V, i64(1, kind="ones"), f16(1))),
+    "index_put#2": (lambda x, i, v: x.at[i].set(v), (H, i64(1, kind="ones"), f32(1))),
+    "tensordot": (jnp.tensordot, (f32(2, 2, 2), f16(2, 2, 2))),
+    "scatter_add": (
+      _scatter_add,
+      (f32(2, 2, 2, kind="zeros"), i64(2, 2, 2, kind="randint2"), f16(2, 2, 2)),
+    ),
+    "scatter_add#2": (
+      _scatter_add,
+      (f16(2, 2, 2, kind="zeros"), i64(2, 2, 2, kind="randint2"), f32(2, 2, 2)),
+    ),
+  },
+  "nn_fp16": {
+    "linear": (_linear, (M, M, M)),
+  },
+  "nn_fp32": {
+    "softplus": (jax.nn.softplus, (H,)),
+    "nll_loss": (unreduced(functional.nll_loss), (f32(N, N, kind="rand"), i64(N))),
+    "nll_loss2d": (
+      unreduced(functional.nll_loss),
+      (f16(N, N, N, N, kind="rand"), i64(N, N, N)),
+    ),
+    "l1_loss": (unreduced(functional.l1_loss), (HM, HM)),
+    "smooth_l1_loss": (unreduced(functional.smooth_l1_loss), (HM, HM)),
+    "mse_loss": (unreduced(functional.mse_loss), (HM, HM)),
+    "multilabel_margin_loss": (
+      unreduced(functional.multilabel_margin_loss),
+      (HM, i64(N, N, kind="ones")),
+    ),
+    "soft_margin_loss": (unreduced(functional.soft_margin_loss), (HM, i64(N, N, kind="ones"))),
+    "multi_margin_loss": (unreduced(functional.multi_margin_loss), (HM, i64(N, kind="ones"))),
+  },
+  "linalg_fp16": {
+    "linalg_vecdot": (jnp.linalg.vecdot, (M, M)),
+    "linalg_multi_dot": (lambda a, b, c: jnp.linalg.multi_dot([a, b, c]), (M, M, M)),
+  },
+  "methods_fp16": {
+    "__matmul__": (operator.matmul, (M, M)),
+  },
+  "methods_fp32": {
+    "__pow__": (lambda x: x**1.5, (f16(N, kind="rand"),)),
+  },
+  "banned": {
+    "binary_cross_entropy": (
+      unreduced(functional.binary_cross_entropy),
+      (f32(N, N, kind="rand"), f32(N, N, kind="rand")),
+    ),
+  },
 }
 
-BM = bf16(_N, _N)  # the CPU lists' mat*_bf16
+BM = bf16(N, N)  # the CPU lists' mat*_bf16
 
 # AutocastCPUTestLists: list -> entry id -> (JAX spelling, its tensor arguments).
 CPU: dict[str, dict[str, Spelling]] = {
-    "torch_expect_builtin_promote": _builtin_promote((V, low(_N))),
-    "methods_expect_builtin_promote": _methods_builtin_promote((V, low(_N))),
-    "torch_16": {
-        "conv1d": (_conv, CONV[1]),
-        "conv2d": (_conv, CONV[2]),
-        "conv3d": (_conv, CONV[3]),
-        "bmm": (jnp.matmul, (f32(_N, _N, _N),) * 2),
-        "mm": (operator.matmul, (M, M)),
-        "matmul": (jnp.matmul, (M, M)),
-        "baddbmm": (lambda c, x, y: c + x @ y, (f32(_N, _N, _N),) * 3),
-        "addmm": (lambda c, a, b: c + a @ b, (M, M, M)),
-        "_addmm_activation": (lambda c, a, b: jax.nn.gelu(c + a @ b, approximate=False),
-                              (M, M, M)),
-        "addbmm": (lambda c, x, y: c + jnp.einsum("bij,bjk->ik", x, y),
-                   (M, f32(_N, _N, _N), f32(_N, _N, _N))),
-        "conv_tbc": (_conv_tbc, (f32(10, 7, 3), f32(5, 3, 5), f32(5))),
-        "conv_transpose1d": (_conv_transpose, CONV[1]),
-        "conv_transpose2d": (_conv_transpose, CONV[2]),
-        "conv_transpose3d": (_conv_transpose, CONV[3]),
-        "prelu": (functional.prelu, (V, f32(1))),
-        "_native_multi_head_attention": (_multi_head_attention,
-                                         (f32(_N, _N, _N),) * 3 + (f32(3 * _N, _N), f32(3 * _N),
-                                                                   M, V)),
-    },
-    "torch_fp32": {
-        "poisson_nll_loss": (lambda x, t: functional.poisson_nll_loss(x, t, True, False, eps=1e-8),
-                             (BM, BM)),
-        "cosine_embedding_loss": (_unreduced(functional.cosine_embedding_loss),
-                                  (given("bfloat16", [[1, 2, 3]]), given("bfloat16", [[1, 3, 4]]),
-                                   given("int32", [1]))),
-        "hinge_embedding_loss": (_unreduced(functional.hinge_embedding_loss), (BM, i32(_N))),
-        "margin_ranking_loss": (_unreduced(functional.margin_ranking_loss),
-                                (BM, BM, bf16(_N, kind="ones"))),
-        "triplet_margin_loss": (_unreduced(functional.triplet_margin_loss), (BM, BM, BM)),
-        "binary_cross_entropy_with_logits": (
-            _unreduced(functional.binary_cross_entropy_with_logits),
-            (BM, bf16(_N, _N, kind="rand"))),
-    },
-    "nn_16": {
-        "linear": (lambda x, w: x @ w.T, (M, M)),
-    },
-    "nn_fp32": {
-        "avg_pool3d": (_avg_pool3d, (bf16(_N, _N, _N, _N),)),
-        "binary_cross_entropy": (_unreduced(functional.binary_cross_entropy),
-                                 (bf16(_N, _N, kind="rand"), bf16(_N, _N, kind="rand"))),
-        "reflection_pad1d": (lambda x: jnp.pad(x, ((0, 0), (0, 0), (3, 3)), mode="reflect"),
-                             (bf16(_N, _N, _N),)),
-        "nll_loss": (_unreduced(functional.nll_loss), (bf16(_N, _N, kind="rand"), i64(_N))),
-        "nll_loss2d": (_unreduced(functional.nll_loss),
-                       (bf16(_N, _N, _N, _N, kind="rand"), i64(_N, _N, _N))),
-        "l1_loss": (_unreduced(functional.l1_loss), (BM, BM)),
-        "smooth_l1_loss": (_unreduced(functional.smooth_l1_loss), (BM, BM)),
-        "mse_loss": (_unreduced(functional.mse_loss), (BM, BM)),
-        "multilabel_margin_loss": (_unreduced(functional.multilabel_margin_loss),
-                                   (BM, i64(_N, _N, kind="ones"))),
-        "soft_margin_loss": (_unreduced(functional.soft_margin_loss),
-                             (BM, i64(_N, _N, kind="ones"))),
-        "multi_margin_loss": (_unreduced(functional.multi_margin_loss),
-                              (BM, i64(_N, kind="ones"))),
-        "huber_loss": (_unreduced(functional.huber_loss), (BM, BM)),
-    },
-    "torch_need_autocast_promote": {
-        "cat": (lambda a, b: jnp.concatenate([a, b]), (low(_N), V)),
-        "stack": (lambda a, b: jnp.stack([a, b]), (low(_N), V)),
-    },
+  "torch_expect_builtin_promote": _builtin_promote((V, low(N))),
+  "methods_expect_builtin_promote": _methods_builtin_promote((V, low(N))),
+  "torch_16": {
+    "conv1d": (conv, CONV[1]),
+    "conv2d": (conv, CONV[2]),
+    "conv3d": (conv, CONV[3]),
+    "bmm": (jnp.matmul, (f32(N, N, N),) * 2),
+    "mm": (operator.matmul, (M, M)),
+    "matmul": (jnp.matmul, (M, M)),
+    "baddbmm": (lambda c, x, y: c + x @ y, (f32(N, N, N),) * 3),
+    "addmm": (lambda c, a, b: c + a @ b, (M, M, M)),
+    "_addmm_activation": (lambda c, a, b: jax.nn.gelu(c + a @ b, approximate=False), (M, M, M)),
+    "addbmm": (
+      lambda c, x, y: c + jnp.einsum("bij,bjk->ik", x, y),
+      (M, f32(N, N, N), f32(N, N, N)),
+    ),
+    "conv_tbc": (conv_tbc, (f32(10, 7, 3), f32(5, 3, 5), f32(5))),
+    "conv_transpose1d": (conv_transpose, CONV[1]),
+    "conv_transpose2d": (conv_transpose, CONV[2]),
+    "conv_transpose3d": (conv_transpose, CONV[3]),
+    "prelu": (functional.prelu, (V, f32(1))),
+    "_native_multi_head_attention": (
+      _multi_head_attention,
+      (f32(N, N, N),) * 3 + (f32(3 * N, N), f32(3 * N), M, V),
+    ),
+  },
+  "torch_fp32": {
+    "poisson_nll_loss": (
+      lambda x, t: functional.poisson_nll_loss(x, t, True, False, eps=1e-8),
+      (BM, BM),
+    ),
+    "cosine_embedding_loss": (
+      unreduced(functional.cosine_embedding_loss),
+      (given("bfloat16", [[1, 2, 3]]), given("bfloat16", [[1, 3, 4]]), given("int32", [1])),
+    ),
+    "hinge_embedding_loss": (unreduced(functional.hinge_embedding_loss), (BM, i32(N))),
+    "margin_ranking_loss": (
+      unreduced(functional.margin_ranking_loss),
+      (BM, BM, bf16(N, kind="ones")),
+    ),
+    "triplet_margin_loss": (unreduced(functional.triplet_margin_loss), (BM, BM, BM)),
+    "binary_cross_entropy_with_logits": (
+      unreduced(functional.binary_cross_entropy_with_logits),
+      (BM, bf16(N, N, kind="rand")),
+    ),
+  },
+  "nn_16": {
+    "linear": (lambda x, w: x @ w.T, (M, M)),
+  },
+  "nn_fp32": {
+    "avg_pool3d": (_avg_pool3d, (bf16(N, N, N, N),)),
+    "binary_cross_entropy": (
+      unreduced(functional.binary_cross_entropy),
+      (bf16(N, N, kind="rand"), bf16(N, N, kind="rand")),
+    ),
+    "reflection_pad1d": (
+      lambda x: jnp.pad(x, ((0, 0), (0, 0), (3, 3)), mode="reflect"),
+      (bf16(N, N, N),),
+    ),
+    "nll_loss": (unreduced(functional.nll_loss), (bf16(N, N, kind="rand"), i64(N))),
+    "nll_loss2d": (
+      unreduced(functional.nll_loss),
+      (bf16(N, N, N, N, kind="rand"), i64(N, N, N)),
+    ),
+    "l1_loss": (unreduced(functional.l1_loss), (BM, BM)),
+    "smooth_l1_loss": (unreduced(functional.smooth_l1_loss), (BM, BM)),
+    "mse_loss": (unreduced(functional.mse_loss), (BM, BM)),
+    "multilabel_margin_loss": (
+      unreduced(functional.multilabel_margin_loss),
+      (BM, i64(N, N, kind="ones")),
+    ),
+    "soft_margin_loss": (unreduced(functional.soft_margin_loss), (BM, i64(N, N, kind="ones"))),
+    "multi_margin_loss": (unreduced(functional.multi_margin_loss), (BM, i64(N, kind="ones"))),
+    "huber_loss": (unreduced(functional.huber_loss), (BM, BM)),
+  },
+  "torch_need_autocast_promote": {
+    "cat": (lambda a, b: jnp.concatenate([a, b]), (low(N), V)),
+    "stack": (lambda a, b: jnp.stack([a, b]), (low(N), V)),
+  },
 }
 
 PORT = {"cuda": CUDA, "cpu": CPU}
 
 # Entries with no JAX counterpart: "device/list/id" -> why.
 NOT_APPLICABLE: dict[str, str] = {
-    "cuda/torch_need_autocast_promote/grid_sampler":
-        "JAX has no grid sampler (jax.scipy.ndimage.map_coordinates has other coordinate, "
-        "padding and align_corners conventions)",
+  "cuda/torch_need_autocast_promote/grid_sampler": (
+    "JAX has no grid sampler (jax.scipy.ndimage.map_coordinates has other coordinate, "
+    "padding and align_corners conventions)"
+  ),
 }
 
 # Entries where jaxamp gives another dtype than torch: "device/list/id" -> (jaxamp's dtype, or
 # "values" where only the values differ from torch's control, and why).
 DIVERGENCES: dict[str, tuple[str, str]] = {
-    "cuda/torch_expect_builtin_promote/equal": (
-        "bool", "torch.equal returns a Python bool, whose dtype torch's test does not check; "
-                "jnp.array_equal returns a bool array"),
-    "cuda/torch_fp16/addr": (
-        "float32", "jnp.outer is an elementwise product (no dot_general), so it runs in its "
-                   "inputs' dtype; torch's addr is one float16 kernel"),
-    "cuda/torch_fp16/lstm_cell": (
-        "float32", "torch's lstm_cell casts every input, the cell state cx too, to float16; in "
-                   "JAX the float32 cell state enters elementwise ops after the gates' dots, "
-                   "which promote natively (the gates themselves run in float16)"),
-    "cuda/torch_fp16/gru_cell": (
-        "float32", "torch's gru_cell casts the hidden state hx to float16; in JAX the float32 "
-                   "state enters the gate interpolation after the dots, which promotes natively"),
-    "cuda/torch_fp32/pow#2": (
-        "values", "the Python constant 1.7 is traced as float16 (1.7002) next to the float16 "
-                  "input; torch's control uses the float32 constant"),
-    "cuda/torch_fp32/log10": (
-        "values", "jnp.log10 multiplies by 1/ln(10) rounded to float16 when traced (0.43433 for "
-                  "0.43429), next to the float16 input"),
-    "cuda/torch_need_autocast_promote/addcdiv": (
-        "values", "JAX has no fused addcdiv: a / b runs in float16 before the float32 add, "
-                  "where torch casts all three inputs to float32 first"),
-    "cuda/torch_need_autocast_promote/addcmul": (
-        "values", "JAX has no fused addcmul: a * b runs in float16 before the float32 add, "
-                  "where torch casts all three inputs to float32 first"),
-    "cuda/torch_need_autocast_promote/index_put#2": (
-        "float16", "x.at[i].set(v) casts v to x's dtype when traced (JAX semantics; JAX warns "
-                   "it will raise one day), so a float16 x cannot promote to v's float32"),
-    "cuda/torch_need_autocast_promote/scatter_add#2": (
-        "float16", "x.at[i].add(v) casts v to x's dtype when traced (JAX semantics), so a "
-                   "float16 x cannot promote to v's float32"),
+  "cuda/torch_expect_builtin_promote/equal": (
+    "bool",
+    "torch.equal returns a Python bool, whose dtype torch's test does not check; "
+    "jnp.array_equal returns a bool array",
+  ),
+  "cuda/torch_fp16/addr": (
+    "float32",
+    "jnp.outer is an elementwise product (no dot_general), so it runs in its "
+    "inputs' dtype; torch's addr is one float16 kernel",
+  ),
+  "cuda/torch_fp16/lstm_cell": (
+    "float32",
+    "torch's lstm_cell casts every input, the cell state cx too, to float16; in "
+    "JAX the float32 cell state enters elementwise ops after the gates' dots, "
+    "which promote natively (the gates themselves run in float16)",
+  ),
+  "cuda/torch_fp16/gru_cell": (
+    "float32",
+    "torch's gru_cell casts the hidden state hx to float16; in JAX the float32 "
+    "state enters the gate interpolation after the dots, which promotes natively",
+  ),
+  "cuda/torch_fp32/pow#2": (
+    "values",
+    "the Python constant 1.7 is traced as float16 (1.7002) next to the float16 "
+    "input; torch's control uses the float32 constant",
+  ),
+  "cuda/torch_fp32/log10": (
+    "values",
+    "jnp.log10 multiplies by 1/ln(10) rounded to float16 when traced (0.43433 for "
+    "0.43429), next to the float16 input",
+  ),
+  "cuda/torch_need_autocast_promote/addcdiv": (
+    "values",
+    "JAX has no fused addcdiv: a / b runs in float16 before the float32 add, "
+    "where torch casts all three inputs to float32 first",
+  ),
+  "cuda/torch_need_autocast_promote/addcmul": (
+    "values",
+    "JAX has no fused addcmul: a * b runs in float16 before the float32 add, "
+    "where torch casts all three inputs to float32 first",
+  ),
+  "cuda/torch_need_autocast_promote/index_put#2": (
+    "float16",
+    "x.at[i].set(v) casts v to x's dtype when traced (JAX semantics; JAX warns "
+    "it will raise one day), so a float16 x cannot promote to v's float32",
+  ),
+  "cuda/torch_need_autocast_promote/scatter_add#2": (
+    "float16",
+    "x.at[i].add(v) casts v to x's dtype when traced (JAX semantics), so a "
+    "float16 x cannot promote to v's float32",
+  ),
 }
 
 
 # torch's own results that are less precise than their dtype: "device/list/id" -> (relative
 # tolerance of the live comparison, why).
 LIVE_TOLERANCES: dict[str, tuple[float, str]] = {
-    "cpu/torch_16/conv_transpose3d": (
-        1e-2, "torch's CPU float16 conv_transpose3d accumulates in float16 (0.92 off the exact "
-              "result where rounding it to float16 is 0.06 off); XLA accumulates in float32"),
+  "cpu/torch_16/conv_transpose3d": (
+    1e-2,
+    "torch's CPU float16 conv_transpose3d accumulates in float16 (0.92 off the exact "
+    "result where rounding it to float16 is 0.06 off); XLA accumulates in float32",
+  ),
 }
 
 
@@ -523,13 +508,17 @@ def spelling(device: str, key: str) -> Spelling:
 @functools.cache
 def recorded(device: str) -> dict[str, dict]:
   """The golden file's entries of ``device``: "list/id" -> record."""
-  return {f"{list_name}/{entry['id']}": entry
-          for list_name, entries in RECORDED["lists"][device].items() for entry in entries}
+  return {
+    f"{list_name}/{entry['id']}": entry
+    for list_name, entries in RECORDED["lists"][device].items()
+    for entry in entries
+  }
 
 
 def ported(device: str) -> list[str]:
-  return [f"{list_name}/{entry_id}" for list_name, entries in PORT[device].items()
-          for entry_id in entries]
+  return [
+    f"{list_name}/{entry_id}" for list_name, entries in PORT[device].items() for entry_id in entries
+  ]
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -547,11 +536,7 @@ def inputs(device: str, key: str, mode: str) -> tuple[jax.Array, ...]:
   """The entry's tensors, drawn from a generator seeded by the entry's name."""
   _, specs = spelling(device, key)
   rng = np.random.default_rng(zlib.crc32(f"{device}/{key}".encode()))
-  return tuple(jnp.asarray(_values(s, rng), _JAX_DTYPES[dtype_name(s, mode)]) for s in specs)
-
-
-def _flat(out: Any) -> tuple[np.ndarray, ...]:
-  return tuple(np.asarray(o) for o in (out if isinstance(out, tuple) else (out,)))
+  return tuple(jnp.asarray(random_values(s, rng), JAX_DTYPES[dtype_name(s, mode)]) for s in specs)
 
 
 @functools.cache
@@ -559,39 +544,40 @@ def autocast_outputs(device: str, key: str, mode: str) -> tuple[np.ndarray, ...]
   """The spelling under ``jax.jit(jaxamp.autocast(..., device_type=device, dtype=mode))``."""
   fn, _ = spelling(device, key)
   run = jax.jit(jaxamp.autocast(fn, device_type=device, dtype=_LOW[mode]))
-  return _flat(run(*inputs(device, key, mode)))
+  return flat(run(*inputs(device, key, mode)))
 
 
 def run_as(expected: str) -> str:
   """The dtype torch's test casts the control's inputs to (float32 for bool results)."""
-  return expected if expected in _FLOATS else "float32"
+  return expected if expected in FLOATS else "float32"
 
 
 @functools.cache
 def control_outputs(device: str, key: str, mode: str, dtype: str) -> tuple[np.ndarray, ...]:
   """The spelling without autocast, its floating inputs cast to ``dtype`` (torch's control)."""
   fn, _ = spelling(device, key)
-  cast = [x.astype(_JAX_DTYPES[dtype]) if jnp.issubdtype(x.dtype, jnp.floating) else x
-          for x in inputs(device, key, mode)]
-  return _flat(jax.jit(fn)(*cast))
+  cast = [
+    x.astype(JAX_DTYPES[dtype]) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    for x in inputs(device, key, mode)
+  ]
+  return flat(jax.jit(fn)(*cast))
 
 
 # The category each CUDA list checks (test_cuda.py): a dtype, "widest" (the widest floating input
 # dtype), "out_type" (each entry's own) or "raises".
 CUDA_CATEGORIES = {
-    "torch_expect_builtin_promote": "out_type",
-    "methods_expect_builtin_promote": "out_type",
-    "torch_fp16": "float16",
-    "torch_fp32": "float32",
-    "torch_need_autocast_promote": "widest",
-    "nn_fp16": "float16",
-    "nn_fp32": "float32",
-    "linalg_fp16": "float16",
-    "methods_fp16": "float16",
-    "methods_fp32": "float32",
-    "banned": "raises",
+  "torch_expect_builtin_promote": "out_type",
+  "methods_expect_builtin_promote": "out_type",
+  "torch_fp16": "float16",
+  "torch_fp32": "float32",
+  "torch_need_autocast_promote": "widest",
+  "nn_fp16": "float16",
+  "nn_fp32": "float32",
+  "linalg_fp16": "float16",
+  "methods_fp16": "float16",
+  "methods_fp32": "float32",
+  "banned": "raises",
 }
-_WIDTH = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 
 def cuda_category_dtype(key: str) -> str:
@@ -602,7 +588,7 @@ def cuda_category_dtype(key: str) -> str:
     return recorded("cuda")[key]["expect"][CUDA_MODE]
   if category == "widest":
     _, specs = spelling("cuda", key)
-    return max((s.dtype for s in specs if s.dtype in _FLOATS), key=_WIDTH.__getitem__)
+    return max((s.dtype for s in specs if s.dtype in FLOATS), key=WIDTH.__getitem__)
   return category
 
 
@@ -614,36 +600,22 @@ def expected_dtype(device: str, key: str, torch_dtype: str) -> str:
   return torch_dtype
 
 
-def _dtype_names(outputs: tuple[np.ndarray, ...]) -> list[str]:
-  return [str(jnp.dtype(o.dtype)) for o in outputs]
-
-
-def assert_close(actual: tuple[np.ndarray, ...], expected: tuple[np.ndarray, ...],
-                 rtol: float) -> None:
-  assert len(actual) == len(expected)
-  for a, e in zip(actual, expected, strict=True):
-    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-    assert a.shape == e.shape
-    finite = e[np.isfinite(e)]
-    scale = max(1.0, float(np.max(np.abs(finite)))) if finite.size else 1.0
-    np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale)
-
-
-_PRECISION = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 2e-2, "bool": 0.0}
-
-
 def tolerance(device: str, key: str, dtypes: list[str]) -> float:
   """Exact up to the output dtype's rounding; a 16-bit step's for listed divergences."""
-  rtol = max(_PRECISION.get(d, 0.0) for d in dtypes)
+  rtol = max(PRECISION.get(d, 0.0) for d in dtypes)
   if f"{device}/{key}" in DIVERGENCES:
-    rtol = max(rtol, 2 * _PRECISION["float16" if device == "cuda" else "bfloat16"])
+    rtol = max(rtol, 2 * PRECISION["float16" if device == "cuda" else "bfloat16"])
   return rtol
 
 
 def _params(device: str) -> list:
   golden = recorded(device)
-  return [pytest.param(key, mode, id=f"{key}-{mode}") for key in ported(device) if key in golden
-          for mode in modes(device)]
+  return [
+    pytest.param(key, mode, id=f"{key}-{mode}")
+    for key in ported(device)
+    if key in golden
+    for mode in modes(device)
+  ]
 
 
 CUDA_PARAMS = _params("cuda")
@@ -657,8 +629,9 @@ CPU_PARAMS = _params("cpu")
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_every_entry_is_accounted_for(device):
   golden, port = recorded(device), ported(device)
-  unaccounted = [key for key in golden
-                 if key not in port and f"{device}/{key}" not in NOT_APPLICABLE]
+  unaccounted = [
+    key for key in golden if key not in port and f"{device}/{key}" not in NOT_APPLICABLE
+  ]
   assert not unaccounted, "entries with neither a JAX spelling nor a NOT_APPLICABLE reason"
   assert not [key for key in port if key not in golden], "spellings of entries torch has not"
   assert not [key for key in port if f"{device}/{key}" in NOT_APPLICABLE]
@@ -713,7 +686,7 @@ def test_cuda_entry_dtype_is_its_lists(key, mode):
     return
   outputs = autocast_outputs("cuda", key, mode)
   expected = expected_dtype("cuda", key, torch_dtype)
-  assert _dtype_names(outputs) == [expected] * len(outputs)
+  assert dtype_names(outputs) == [expected] * len(outputs)
 
 
 @pytest.mark.parametrize("key, mode", CUDA_VALUE_PARAMS)
@@ -721,7 +694,7 @@ def test_cuda_entry_values_are_the_controls(key, mode):
   torch_dtype = cuda_category_dtype(key)
   outputs = autocast_outputs("cuda", key, mode)
   control = control_outputs("cuda", key, mode, run_as(torch_dtype))
-  assert_close(outputs, control, tolerance("cuda", key, _dtype_names(control)))
+  assert_close(outputs, control, tolerance("cuda", key, dtype_names(control)))
 
 
 # --- CPU lists (policy "cpu", bfloat16 and float16) --------------------------------------------
@@ -736,7 +709,7 @@ def _torch_result(key: str, mode: str) -> list[str]:
 def test_cpu_entry_dtype_is_torchs(key, mode):
   outputs = autocast_outputs("cpu", key, mode)
   expected = [expected_dtype("cpu", key, d) for d in _torch_result(key, mode)]
-  assert _dtype_names(outputs) == expected
+  assert dtype_names(outputs) == expected
 
 
 @pytest.mark.parametrize("key, mode", CPU_PARAMS)
@@ -744,7 +717,7 @@ def test_cpu_entry_values_are_the_controls(key, mode):
   torch_dtype = recorded("cpu")[key]["expect"][mode]
   outputs = autocast_outputs("cpu", key, mode)
   control = control_outputs("cpu", key, mode, run_as(torch_dtype))
-  assert_close(outputs, control, tolerance("cpu", key, _dtype_names(control)))
+  assert_close(outputs, control, tolerance("cpu", key, dtype_names(control)))
 
 
 @functools.cache
@@ -763,29 +736,29 @@ def _torch_inputs(key: str, mode: str) -> list:
   return tensors
 
 
-LIVE_PARAMS = CPU_PARAMS if HAS_TORCH else [
-    pytest.param(None, None, marks=pytest.mark.skip(reason="torch is not installed; the golden "
-                                                           "file stands in for it"))]
-
-
-@pytest.mark.parametrize("key, mode", LIVE_PARAMS)
+@pytest.mark.torch
+@pytest.mark.parametrize("key, mode", CPU_PARAMS)
 def test_cpu_entry_matches_torch_live(key, mode):
   module = _recorder()
   list_name, entry_id = key.split("/", 1)
-  entry = next(e for e in module.entries()
-               if (e.device, e.list_name, e.id) == ("cpu", list_name, entry_id))
+  entry = next(
+    e for e in module.entries() if (e.device, e.list_name, e.id) == ("cpu", list_name, entry_id)
+  )
   torch_out = module.run(entry, mode, _torch_inputs(key, mode))
   torch_out = torch_out if isinstance(torch_out, tuple) else (torch_out,)
   outputs = autocast_outputs("cpu", key, mode)
   torch_dtypes = [module.result_dtype(t) for t in torch_out]
-  assert _dtype_names(outputs) == [expected_dtype("cpu", key, d) for d in torch_dtypes]
+  assert dtype_names(outputs) == [expected_dtype("cpu", key, d) for d in torch_dtypes]
   expected = tuple(t.float().numpy() for t in torch_out)
-  rtol = max(tolerance("cpu", key, torch_dtypes + _dtype_names(outputs)), 1e-4,
-             LIVE_TOLERANCES.get(f"cpu/{key}", (0.0, ""))[0])
+  rtol = max(
+    tolerance("cpu", key, torch_dtypes + dtype_names(outputs)),
+    1e-4,
+    LIVE_TOLERANCES.get(f"cpu/{key}", (0.0, ""))[0],
+  )
   assert_close(outputs, expected, rtol)
 
 
-@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.torch
 def test_golden_file_records_the_installed_torchs_lists():
   module = _recorder()
   for device, lists in module.torch_lists().items():

@@ -30,9 +30,9 @@ sklearn_datasets = pytest.importorskip("sklearn.datasets")
 STEPS, BATCH_SIZE, LEARNING_RATE = 300, 64, 1e-3
 ACCURACY_POINTS, LOSS_RTOL = 0.02, 0.10
 POLICIES = {  # name -> (train step keyword arguments, loss scaling)
-    "float32": ({"enabled": False}, False),
-    "float16": ({"device_type": "cuda"}, True),
-    "bfloat16": ({"device_type": "cpu"}, False),
+  "float32": ({"enabled": False}, False),
+  "float16": ({"device_type": "cuda"}, True),
+  "bfloat16": ({"device_type": "cpu"}, False),
 }
 MIXED = ["float16", "bfloat16"]
 
@@ -139,8 +139,14 @@ def train_nnx(policy: str) -> Result:
   model.eval()  # evaluate with the running statistics
   apply = nnx.jit(jaxamp.autocast(lambda m, x: m(x), **kwargs))
   accuracy, loss = evaluate(lambda x: apply(model, x), data)
-  return Result(accuracy, loss, np.asarray(scales), int(metrics["skipped_steps"]),
-                model.norm1.mean[...], model.norm1.var[...])
+  return Result(
+    accuracy,
+    loss,
+    np.asarray(scales),
+    int(metrics["skipped_steps"]),
+    model.norm1.mean[...],
+    model.norm1.var[...],
+  )
 
 
 TRAIN = {"linen": train_linen, "nnx": train_nnx}
@@ -204,5 +210,9 @@ def test_batch_norm_running_statistics_track_float32(policy):
   result, baseline = train_nnx(policy), train_nnx("float32")
   scale = np.abs(baseline.running_mean).max()
   np.testing.assert_allclose(result.running_mean, baseline.running_mean, atol=0.05 * scale)
-  np.testing.assert_allclose(result.running_var, baseline.running_var,
-                             rtol=0.1, atol=0.05 * np.abs(baseline.running_var).max())
+  np.testing.assert_allclose(
+    result.running_var,
+    baseline.running_var,
+    rtol=0.1,
+    atol=0.05 * np.abs(baseline.running_var).max(),
+  )

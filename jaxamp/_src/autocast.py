@@ -18,17 +18,14 @@ import jax
 import numpy as np
 
 from jaxamp._src import (
-    caches,
-    compat,
-    higher_order,
-    interpreter,
-    library_ops,
-    nnx_modules,
-    policy,
-    regions,
+  caches,
+  compat,
+  higher_order,
+  interpreter,
+  nnx_modules,
+  policy,
+  regions,
 )
-
-del library_ops  # imported for its registrations
 
 _TRACE_CACHE_SIZE = 512
 # Traces by function and signature. The function, a bound method's instance and static
@@ -36,8 +33,14 @@ _TRACE_CACHE_SIZE = 512
 _traces = caches.WeakLRUCache(_TRACE_CACHE_SIZE)
 
 
-def autocast(fun: Callable | None = None, *, device_type: str | None = None, dtype=None,
-             enabled: bool = True, cache_enabled: bool = True) -> Callable:
+def autocast(
+  fun: Callable | None = None,
+  *,
+  device_type: str | None = None,
+  dtype=None,
+  enabled: bool = True,
+  cache_enabled: bool = True,
+) -> Callable:
   """Runs ``fun`` with torch.amp's autocast policy for ``device_type``.
 
   Usable as a transform, ``autocast(f, device_type="cuda")``, and as a decorator,
@@ -61,11 +64,45 @@ def autocast(fun: Callable | None = None, *, device_type: str | None = None, dty
   if not isinstance(enabled, bool):
     raise TypeError(f"`enabled` must be a bool; got {enabled!r}.")
   if fun is None:
-    return functools.partial(autocast, device_type=device_type, dtype=dtype, enabled=enabled,
-                             cache_enabled=cache_enabled)
+    return _AutocastDecorator(
+      dict(device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    )
   if not callable(fun):
     raise TypeError(f"autocast transforms a callable; got {fun!r} of type {type(fun).__name__}.")
   return _wrap(fun, settings if enabled else None)
+
+
+class _AutocastDecorator:
+  """``autocast(device_type=...)`` without a function: a decorator, not a context manager.
+
+  torch's ``with torch.autocast(...):`` switches a global mode on for a block of eager code; JAX
+  traces functions, so jaxamp's autocast transforms a function. ``with`` raises a ``TypeError``
+  that shows the two spellings.
+  """
+
+  def __init__(self, settings: dict[str, Any]):
+    self._settings = settings
+
+  def __call__(self, fun: Callable) -> Callable:
+    return autocast(fun, **self._settings)
+
+  def __repr__(self) -> str:
+    settings = ", ".join(f"{k}={v!r}" for k, v in self._settings.items())
+    return f"jaxamp.autocast({settings})"
+
+  def __enter__(self):
+    device = f'device_type="{self._settings["device_type"] or "cuda"}"'
+    raise TypeError(
+      "jaxamp.autocast is a function transformation, not a context manager: JAX traces "
+      "functions, so autocast rewrites a function instead of switching a mode on for a block. "
+      f"Wrap the function, `jaxamp.autocast(f, {device})(*args)`, or decorate it, "
+      f"`@jaxamp.autocast({device})`. The one context manager is `jaxamp.autocast_disabled()`: "
+      "inside an autocast function its block runs as written (torch's "
+      "`autocast(enabled=False)`)."
+    )
+
+  def __exit__(self, *exc_info) -> bool:
+    return False
 
 
 def _wrap(fun: Callable, settings: policy.Policy | None) -> Callable:
@@ -117,16 +154,18 @@ def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> A
   arrays = [leaves[i] for i in dynamic]
   in_avals = tuple(compat.typeof(x) for x in arrays)
   closed, (out_tree, static_outs) = _trace(fun, in_tree, tuple(dynamic), static, in_avals)
-  ctx = interpreter.Context(settings)
+  ctx = interpreter.Context(settings, higher_order.RULES)
   outs = interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx)
   traced = tuple(leaf is _TRACED for leaf in static_outs)
-  for i, dtype in _state_outputs(in_tree, tuple(dynamic), in_avals, out_tree, traced,
-                                 tuple(closed.out_avals)):
+  for i, dtype in _state_outputs(
+    in_tree, tuple(dynamic), in_avals, out_tree, traced, tuple(closed.out_avals)
+  ):
     if getattr(outs[i], "dtype", None) != dtype:
       outs[i] = jax.lax.convert_element_type(outs[i], dtype)
   outs = iter(outs)
-  return jax.tree.unflatten(out_tree, [next(outs) if leaf is _TRACED else leaf
-                                       for leaf in static_outs])
+  return jax.tree.unflatten(
+    out_tree, [next(outs) if leaf is _TRACED else leaf for leaf in static_outs]
+  )
 
 
 def _subtrees(treedef, offset: int = 0):
@@ -138,8 +177,9 @@ def _subtrees(treedef, offset: int = 0):
 
 
 @functools.lru_cache(maxsize=_TRACE_CACHE_SIZE)
-def _state_outputs(in_tree, dynamic: tuple, in_avals: tuple, out_tree, traced: tuple,
-                   out_avals: tuple) -> tuple[tuple[int, Any], ...]:
+def _state_outputs(
+  in_tree, dynamic: tuple, in_avals: tuple, out_tree, traced: tuple, out_avals: tuple
+) -> tuple[tuple[int, Any], ...]:
   """``(jaxpr output index, traced dtype)`` of each floating output leaf that is threaded state.
 
   torch updates state in place (``copy_``), so buffers keep their dtype; in JAX state goes in as
@@ -167,8 +207,10 @@ def _state_outputs(in_tree, dynamic: tuple, in_avals: tuple, out_tree, traced: t
   for node, start in _subtrees(out_tree):
     for in_start in containers.get(node, ()):
       pairs = [(start + j, in_start + j) for j in range(node.num_leaves)]
-      if all(traced[o] and i in in_pos
-             and out_avals[out_pos[o]].shape == in_avals[in_pos[i]].shape for o, i in pairs):
+      if all(
+        traced[o] and i in in_pos and out_avals[out_pos[o]].shape == in_avals[in_pos[i]].shape
+        for o, i in pairs
+      ):
         found.update((out_pos[o], out_avals[out_pos[o]].dtype) for o, _ in pairs)
         break
   return tuple((k, dtype) for k, dtype in sorted(found.items()) if dtype in _FLOATS)
@@ -189,8 +231,13 @@ _TRACED = object()  # marks the outputs that come from the jaxpr
 def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
   """``fun``'s jaxpr for this signature: traced once, reused while nothing it closes over traces."""
   try:
-    key = (caches.key_part(fun), in_tree, dynamic,
-           tuple((i, caches.key_part(leaf)) for i, leaf in static), in_avals)
+    key = (
+      caches.key_part(fun),
+      in_tree,
+      dynamic,
+      tuple((i, caches.key_part(leaf)) for i, leaf in static),
+      in_avals,
+    )
     hash(key)
   except TypeError:
     key = None  # an unhashable function or static argument: trace every call
@@ -212,8 +259,9 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
     # Outputs that are not traced values (strings, Python numbers, numpy constants) are returned
     # as they are, like the static arguments.
     traced = [isinstance(leaf, jax.core.Tracer) for leaf in out_leaves]
-    out_tree_box.append((out_tree, [_TRACED if t else leaf
-                                    for leaf, t in zip(out_leaves, traced, strict=True)]))
+    out_tree_box.append(
+      (out_tree, [_TRACED if t else leaf for leaf, t in zip(out_leaves, traced, strict=True)])
+    )
     return [leaf for leaf, t in zip(out_leaves, traced, strict=True) if t]
 
   closed = compat.trace(flat_fun, in_avals)
@@ -223,21 +271,27 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
   return result
 
 
-def custom_fwd(fun: Callable | None = None, *, device_type: str | None = None,
-               cast_inputs=None) -> Callable:
+def custom_fwd(
+  fun: Callable | None = None, *, device_type: str | None = None, cast_inputs=None
+) -> Callable:
   """torch.amp.custom_fwd for the forward function of a ``jax.custom_vjp``.
 
   With ``cast_inputs`` (a float dtype), inside an autocast function the floating inputs are cast
   to it and the function body runs with autocast disabled; outside autocast nothing changes.
-  Without it, the body is autocast like any other code.
+  Decorating a custom_vjp's ``fwd`` rule (torch's spelling) or its primal (JAX's) makes the whole
+  custom_vjp that region: primal and ``fwd`` run on the cast inputs with autocast off, and a
+  ``custom_bwd`` backward runs with autocast off too, as torch's does. Without ``cast_inputs``,
+  the body is autocast like any other code.
   """
   if device_type is not None:
     policy.get_table(device_type)  # torch's signature; validated, the cast applies everywhere
   if fun is None:
     return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
   if _is_dtype(fun):
-    raise TypeError(f"custom_fwd takes the dtype as a keyword: custom_fwd(cast_inputs={fun!r}); "
-                    "its positional argument is the function to decorate.")
+    raise TypeError(
+      f"custom_fwd takes the dtype as a keyword: custom_fwd(cast_inputs={fun!r}); "
+      "its positional argument is the function to decorate."
+    )
   if not callable(fun):
     raise TypeError(f"custom_fwd decorates a callable; got {fun!r}.")
   if cast_inputs is None:
@@ -262,7 +316,8 @@ def _is_dtype(x: Any) -> bool:
 def custom_bwd(fun: Callable | None = None, *, device_type: str | None = None) -> Callable:
   """torch.amp.custom_bwd for the backward function of a ``jax.custom_vjp``.
 
-  The backward runs under the autocast policy its forward ran under (by default a custom_vjp's
+  The backward runs under the autocast state its forward ran under: the forward's policy, or
+  autocast off after a ``custom_fwd(cast_inputs=...)`` forward (undecorated, a custom_vjp's
   backward runs in the dtypes of its residuals and cotangents, as torch runs backward passes).
   """
   if device_type is not None:

@@ -40,8 +40,7 @@ class _Ref(weakref.ref):
     if a is None:
       return False
     b = other()
-    return a is b or b is not None and not self._by_identity and type(a) is type(b) \
-        and bool(a == b)
+    return a is b or b is not None and not self._by_identity and type(a) is type(b) and bool(a == b)
 
   def __repr__(self) -> str:
     return f"_Ref({self()!r})"
@@ -83,8 +82,12 @@ def key_part(x: Any, by_identity: bool = False) -> Hashable:
       return x  # an instance without weak references: the method holds it, as it hashes
   if isinstance(x, functools.partial) and type(x).__call__ is functools.partial.__call__:
     try:
-      return (functools.partial, key_part(x.func), key_part(x.args),
-              tuple(sorted((k, key_part(v)) for k, v in x.keywords.items())))
+      return (
+        functools.partial,
+        key_part(x.func),
+        key_part(x.args),
+        tuple(sorted((k, key_part(v)) for k, v in x.keywords.items())),
+      )
     except TypeError:  # an unhashable argument (an array): the partial itself is the key
       pass
   by_identity = by_identity or type(x).__hash__ is object.__hash__

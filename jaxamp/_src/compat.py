@@ -9,6 +9,7 @@ upgrade breaks one module, loudly (``tests/test_compat.py`` checks each of them)
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from jax._src import source_info_util as _source_info
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.state import types as _state_types
 from jax.extend import core as jex_core
+from jax.extend.core import primitives as _exported
 
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
@@ -32,25 +34,58 @@ jaxpr_as_fun = jex_core.jaxpr_as_fun
 
 # The internals jaxamp needs, checked by tests/test_compat.py.
 REQUIRED_INTERNALS = {
-    "jax._src.api_util.debug_info": lambda: _api_util.debug_info,
-    "jax._src.core.typeof": lambda: _core.typeof,
-    "jax._src.core.eval_jaxpr": lambda: _core.eval_jaxpr,
-    "jax._src.linear_util.wrap_init": lambda: _lu.wrap_init,
-    "jax._src.source_info_util.user_context": lambda: _source_info.user_context,
-    "jax._src.source_info_util.current_name_stack": lambda: _source_info.current_name_stack,
-    "jax._src.source_info_util.Scope": lambda: _source_info.Scope,
-    "jax._src.interpreters.partial_eval.trace_to_jaxpr_dynamic":
-        lambda: _pe.trace_to_jaxpr_dynamic,
-    "jax._src.interpreters.partial_eval.convert_constvars_jaxpr":
-        lambda: _pe.convert_constvars_jaxpr,
-    "jax._src.state.types.AbstractRef": lambda: _state_types.AbstractRef,
+  "jax._src.api_util.debug_info": lambda: _api_util.debug_info,
+  "jax._src.core.typeof": lambda: _core.typeof,
+  "jax._src.core.eval_jaxpr": lambda: _core.eval_jaxpr,
+  "jax._src.linear_util.wrap_init": lambda: _lu.wrap_init,
+  "jax._src.source_info_util.user_context": lambda: _source_info.user_context,
+  "jax._src.source_info_util.current_name_stack": lambda: _source_info.current_name_stack,
+  "jax._src.source_info_util.Scope": lambda: _source_info.Scope,
+  "jax._src.interpreters.partial_eval.trace_to_jaxpr_dynamic": lambda: _pe.trace_to_jaxpr_dynamic,
+  "jax._src.interpreters.partial_eval.convert_constvars_jaxpr": lambda: _pe.convert_constvars_jaxpr,
+  "jax._src.state.types.AbstractRef": lambda: _state_types.AbstractRef,
+  "jax._src.core.trace_ctx": lambda: _core.trace_ctx.trace,
 }
 
+
+def _unexported_primitives() -> dict[str, Any]:
+  """Primitives jaxamp has rules for that ``jax.extend.core.primitives`` does not export."""
+  from jax._src import callback, ffi, shard_map
+  from jax._src.lax import lax as lax_internal
+  from jax._src.lax import linalg
+  from jax._src.state import discharge
+
+  return {
+    "ragged_dot_general_p": lax_internal.ragged_dot_general_p,
+    "cholesky_update_p": linalg.cholesky_update_p,
+    "geqp3_p": linalg.geqp3_p,
+    "geqrf_p": linalg.geqrf_p,
+    "ormqr_p": linalg.ormqr_p,
+    "symmetric_product_p": linalg.symmetric_product_p,
+    "pure_callback_p": callback.pure_callback_p,
+    "io_callback_p": callback.io_callback_p,
+    "ffi_call_p": ffi.ffi_call_p,
+    "run_state_p": discharge.run_state_p,
+    "shard_map_p": shard_map.shard_map_p,
+  }
+
+
+# Every primitive object jaxamp's registries and tables are keyed by: JAX's exported ones
+# (``primitives.dot_general_p``) and the few it does not export.
+primitives = types.SimpleNamespace(
+  **{name: getattr(_exported, name) for name in dir(_exported) if name.endswith("_p")},
+  **_unexported_primitives(),
+)
 
 
 def typeof(x) -> Any:
   """The abstract value (aval) of a value or tracer."""
   return _core.typeof(x)
+
+
+def current_trace() -> Any:
+  """The trace JAX is tracing into now (the eval trace outside any transformation)."""
+  return _core.trace_ctx.trace
 
 
 def is_literal(atom) -> bool:
@@ -91,8 +126,7 @@ def bind(eqn, invals: Sequence[Any], params: dict[str, Any] | None = None) -> li
   params = eqn.params if params is None else params
   bind_params = eqn.primitive.get_bind_params(params)
   name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-  with (_source_info.user_context(eqn.source_info.traceback, name_stack=name_stack),
-        eqn.ctx.manager):
+  with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
     out = eqn.primitive.bind(*invals, **bind_params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -101,7 +135,8 @@ def trace(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any]) -> ClosedJ
   """Traces ``fun`` (flat arrays in, flat list out) to a closed jaxpr over ``in_avals``."""
   debug_info = _api_util.debug_info("jaxamp.autocast", fun, tuple(in_avals), {})
   jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
-      _lu.wrap_init(fun, debug_info=debug_info), list(in_avals))
+    _lu.wrap_init(fun, debug_info=debug_info), list(in_avals)
+  )
   return ClosedJaxpr(jaxpr, consts)
 
 
@@ -115,11 +150,16 @@ def open_jaxpr(closed: ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:
 def is_typed_param(value) -> bool:
   """Whether an eqn parameter fixes types: a jaxpr, a callable or an abstract value (a scalar
   type such as ``jnp.float32``, callable but a dtype, is not one)."""
-  if isinstance(value, type) and issubclass(value, np.generic) \
-      or isinstance(getattr(value, "dtype", None), np.dtype) and not hasattr(value, "shape"):
+  if (
+    isinstance(value, type)
+    and issubclass(value, np.generic)
+    or isinstance(getattr(value, "dtype", None), np.dtype)
+    and not hasattr(value, "shape")
+  ):
     return False
-  return isinstance(value, Jaxpr | ClosedJaxpr | _core.AbstractValue | jax.ShapeDtypeStruct) \
-      or callable(value)
+  return isinstance(
+    value, Jaxpr | ClosedJaxpr | _core.AbstractValue | jax.ShapeDtypeStruct
+  ) or callable(value)
 
 
 def sub_jaxpr_inputs(eqn) -> list[tuple[Jaxpr, list]] | None:
@@ -129,9 +169,11 @@ def sub_jaxpr_inputs(eqn) -> list[tuple[Jaxpr, list]] | None:
   name = eqn.primitive.name
   if name == "while":
     n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
-    carry = invars[n_cond + n_body:]
-    return [(params["cond_jaxpr"].jaxpr, invars[:n_cond] + carry),
-            (params["body_jaxpr"].jaxpr, invars[n_cond:n_cond + n_body] + carry)]
+    carry = invars[n_cond + n_body :]
+    return [
+      (params["cond_jaxpr"].jaxpr, invars[:n_cond] + carry),
+      (params["body_jaxpr"].jaxpr, invars[n_cond : n_cond + n_body] + carry),
+    ]
   if name == "cond":
     return [(branch.jaxpr, invars[1:]) for branch in params["branches"]]
   bodies = [value for value in params.values() if isinstance(value, Jaxpr | ClosedJaxpr)]
@@ -184,8 +226,10 @@ def _fill_zero_tangents(jaxpr, consts, out_zeros, out_avals):
     outs = _core.eval_jaxpr(jaxpr, consts, *args)
     n = len(out_zeros)
     nonzero = iter(outs[n:])
-    tangents = [jnp.zeros(a.shape, a.to_tangent_aval().dtype) if z else next(nonzero)
-                for a, z in zip(out_avals, out_zeros, strict=True)]
+    tangents = [
+      jnp.zeros(a.shape, a.to_tangent_aval().dtype) if z else next(nonzero)
+      for a, z in zip(out_avals, out_zeros, strict=True)
+    ]
     return [*outs[:n], *tangents]
 
   closed = trace(full_rule, [v.aval for v in jaxpr.invars])
@@ -225,8 +269,7 @@ def custom_vjp_rules(eqn):
     jaxpr, _ = fwd_jaxpr()
     res_avals, _, input_fwds = split([v.aval for v in jaxpr.outvars])
     res_iter = iter(res_avals)
-    return [(next(res_iter) if f is None else in_avals[f]).dtype
-            for f in input_fwds]
+    return [(next(res_iter) if f is None else in_avals[f]).dtype for f in input_fwds]
 
   def backward(*args):
     return list(bwd.call_wrapped(*args))

@@ -5,12 +5,13 @@ input types and the context, so a layer jitted once and called many times is rew
 Loop carries and branch outputs keep the types they were declared with; casts of loop
 invariants (scan and while consts, i.e. the weights) are hoisted out of the loop body.
 Custom derivative rules are kept: the primal body and the rule are both autocast, and the
-cotangents a custom_vjp's backward returns come back in its inputs' dtypes.
+cotangents a custom_vjp's backward returns come back in its inputs' dtypes. A custom_vjp whose
+``fwd`` rule or primal is a ``custom_fwd(cast_inputs=...)`` function is that one region as a whole.
 """
 
 from __future__ import annotations
 
-import threading
+import contextvars
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,14 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._src import caches, compat
-from jaxamp._src.interpreter import (
-    Context,
-    Env,
-    current_recorder,
-    evaluate,
-    register_higher_order,
-)
+from jaxamp._src import caches, casting, compat, interpreter, regions
+from jaxamp._src.interpreter import Context, Env, evaluate
+
+prims = compat.primitives
 
 _CACHE_SIZE = 1024
 # Rewritten bodies, held while their source jaxpr lives (it is in the key weakly).
@@ -44,8 +41,11 @@ def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
     aval = compat.typeof(value)
     if aval.dtype != var.aval.dtype:
       avals.append(compat.aval_with_dtype(var.aval, aval.dtype))
-    elif (follows or getattr(aval, "weak_type", False)) and not var.aval.weak_type \
-        and jnp.issubdtype(aval.dtype, jnp.inexact):
+    elif (
+      (follows or getattr(aval, "weak_type", False))
+      and not var.aval.weak_type
+      and jnp.issubdtype(aval.dtype, jnp.inexact)
+    ):
       avals.append(var.aval.update(weak_type=True))
     else:
       avals.append(var.aval)
@@ -53,13 +53,13 @@ def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
 
 
 def _weak_inputs(eqn, env: Env) -> list[bool]:
-  """Which inputs are fills or converted Python scalars (``Env.weak``) outside the body."""
-  return [not compat.is_literal(a) and a in env.weak for a in eqn.invars]
+  """Which inputs are fills or converted Python scalars (``Provenance.weak``) outside."""
+  return [not compat.is_literal(a) and a in env.facts.weak for a in eqn.invars]
 
 
 def _computed_inputs(env: Env, atoms) -> tuple[bool, ...]:
-  """Which of ``atoms`` are activations computed outside the body (``Env.is_computed``)."""
-  return tuple(env.is_computed(a) for a in atoms)
+  """Which of ``atoms`` are activations computed outside the body (``is_computed``)."""
+  return tuple(env.facts.is_computed(a) for a in atoms)
 
 
 def _cast_value(value, dtype):
@@ -68,9 +68,16 @@ def _cast_value(value, dtype):
   return lax.convert_element_type(value, dtype)
 
 
-def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
-            out_dtypes: tuple | None = None, hoist: int = 0,
-            path: str = "", computed: tuple[bool, ...] = ()) -> tuple[compat.ClosedJaxpr, tuple]:
+def rewrite(
+  jaxpr,
+  consts: Sequence[Any],
+  in_avals: tuple,
+  ctx: Context,
+  out_dtypes: tuple | None = None,
+  hoist: int = 0,
+  path: str = "",
+  computed: tuple[bool, ...] = (),
+) -> tuple[compat.ClosedJaxpr, tuple]:
   """``jaxpr`` rewritten for ``in_avals`` under ``ctx``, and the casts hoisted out of it.
 
   Args:
@@ -83,28 +90,42 @@ def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
     computed: which invars are activations computed outside (``evaluate``'s argument).
   """
   # Consts by id: a cached rewrite holds the consts it uses, so their ids stay theirs meanwhile.
-  key = (caches.key_part(jaxpr, by_identity=True), tuple(map(id, consts)), in_avals, ctx,
-         out_dtypes, hoist, computed)
-  recording = current_recorder() is not None
+  key = (
+    caches.key_part(jaxpr, by_identity=True),
+    tuple(map(id, consts)),
+    in_avals,
+    ctx,
+    out_dtypes,
+    hoist,
+    computed,
+  )
+  recording = interpreter.current_recorder() is not None
   hit = None if recording else _rewrites.get(key)
   if hit is not None:
     return hit
   hoisted: tuple = ()
   if hoist:
-    env = Env(ctx, hoistable=frozenset(jaxpr.invars[:hoist]))
-    compat.trace(lambda *args: _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env=env,
-                                              computed=computed),
-                 in_avals)
-    hoisted = tuple((jaxpr.invars.index(var), dtype) for var, dtype in env.hoisted)
+    discovery = Env(
+      ctx, casts=casting.CastCache(hoistable=frozenset(jaxpr.invars[:hoist])), record=False
+    )
+    compat.trace(
+      lambda *args: _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, discovery, computed),
+      in_avals,
+    )
+    hoisted = tuple((jaxpr.invars.index(var), dtype) for var, dtype in discovery.casts.hoisted)
   extra_avals = tuple(compat.aval_with_dtype(in_avals[i], dtype) for i, dtype in hoisted)
 
   def body(*args):
-    invariants, extras, rest = args[:hoist], args[hoist:hoist + len(hoisted)], \
-        args[hoist + len(hoisted):]
-    precast = {(jaxpr.invars[i], dtype): extra
-               for (i, dtype), extra in zip(hoisted, extras, strict=True)}
-    return _evaluate_body(jaxpr, consts, (*invariants, *rest), ctx, out_dtypes, precast=precast,
-                          path=path, computed=computed)
+    invariants, extras, rest = (
+      args[:hoist],
+      args[hoist : hoist + len(hoisted)],
+      args[hoist + len(hoisted) :],
+    )
+    precast = {
+      (jaxpr.invars[i], dtype): extra for (i, dtype), extra in zip(hoisted, extras, strict=True)
+    }
+    env = Env(ctx, path, casts=casting.CastCache(precast=precast))
+    return _evaluate_body(jaxpr, consts, (*invariants, *rest), ctx, out_dtypes, env, computed)
 
   closed = compat.trace(body, (*in_avals[:hoist], *extra_avals, *in_avals[hoist:]))
   if recording:
@@ -113,21 +134,20 @@ def rewrite(jaxpr, consts: Sequence[Any], in_avals: tuple, ctx: Context,
   return closed, hoisted
 
 
-def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, precast=None, env=None, path="",
-                   computed=()):
-  outs = evaluate(jaxpr, consts, args, ctx, precast=precast, env=env, path=path,
-                  computed=computed)
+def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed):
+  outs = evaluate(jaxpr, consts, args, ctx, env=env, computed=computed)
   if out_dtypes is None:
     return outs
   return [_cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
 
 
-def _path(env: Env, eqn, part: str = "") -> str:
-  """Where a sub-jaxpr of ``eqn`` sits, for ``explain``: e.g. ``jit(log_softmax)/scan``."""
+def sub_path(path: str, eqn, part: str = "") -> str:
+  """Where a sub-jaxpr of ``eqn`` evaluated at ``path`` sits, for ``explain``: e.g.
+  ``jit(log_softmax)/scan``."""
   name = eqn.params.get("name") or ""
   label = f"{eqn.primitive.name}({name})" if name else eqn.primitive.name
   label += f".{part}" if part else ""
-  return f"{env.path}/{label}" if env.path else label
+  return f"{path}/{label}" if path else label
 
 
 def _declared(atoms) -> tuple:
@@ -136,112 +156,155 @@ def _declared(atoms) -> tuple:
 
 def _restore(env: Env, atoms, values: list) -> list:
   """Values of ``atoms`` with their traced dtypes (for loop carries)."""
-  return [env.cast(a, jnp.dtype(a.aval.dtype)) if not compat.is_literal(a)
-          and jnp.issubdtype(a.aval.dtype, jnp.inexact) else v
-          for a, v in zip(atoms, values, strict=True)]
+  return [
+    env.cast(a, jnp.dtype(a.aval.dtype))
+    if not compat.is_literal(a) and jnp.issubdtype(a.aval.dtype, jnp.inexact)
+    else v
+    for a, v in zip(atoms, values, strict=True)
+  ]
 
 
-@register_higher_order("jit", "pjit")
 def _jit_rule(eqn, invals, env, ctx):
   closed = eqn.params["jaxpr"]
   avals = body_avals(closed.jaxpr.invars, invals, _weak_inputs(eqn, env))
-  new, _ = rewrite(closed.jaxpr, closed.consts, avals, ctx, path=_path(env, eqn),
-                   computed=_computed_inputs(env, eqn.invars))
+  new, _ = rewrite(
+    closed.jaxpr,
+    closed.consts,
+    avals,
+    ctx,
+    path=sub_path(env.path, eqn),
+    computed=_computed_inputs(env, eqn.invars),
+  )
   return env.bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 
-@register_higher_order("closed_call", "core_call")
 def _closed_call_rule(eqn, invals, env, ctx):
   closed = eqn.params["call_jaxpr"]
-  new, _ = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals), ctx,
-                   path=_path(env, eqn), computed=_computed_inputs(env, eqn.invars))
+  new, _ = rewrite(
+    closed.jaxpr,
+    closed.consts,
+    body_avals(closed.jaxpr.invars, invals),
+    ctx,
+    path=sub_path(env.path, eqn),
+    computed=_computed_inputs(env, eqn.invars),
+  )
   return env.bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
 
 
-@register_higher_order("checkpoint", "remat", "remat2")
 def _remat_rule(eqn, invals, env, ctx):
   jaxpr = eqn.params["jaxpr"]
-  new, _ = rewrite(jaxpr, (), body_avals(jaxpr.invars, invals), ctx, path=_path(env, eqn),
-                   computed=_computed_inputs(env, eqn.invars))
+  new, _ = rewrite(
+    jaxpr,
+    (),
+    body_avals(jaxpr.invars, invals),
+    ctx,
+    path=sub_path(env.path, eqn),
+    computed=_computed_inputs(env, eqn.invars),
+  )
   body, consts = compat.open_jaxpr(new)
   prevent_cse = eqn.params["prevent_cse"]
   if isinstance(prevent_cse, tuple):
     prevent_cse = (False,) * len(consts) + prevent_cse
-  return env.bind(eqn, [*consts, *invals], dict(eqn.params, jaxpr=body,
-                                                   prevent_cse=prevent_cse))
+  return env.bind(eqn, [*consts, *invals], dict(eqn.params, jaxpr=body, prevent_cse=prevent_cse))
 
 
-@register_higher_order("scan")
 def _scan_rule(eqn, invals, env, ctx):
   p = eqn.params
   n_consts, n_carry = p["num_consts"], p["num_carry"]
   closed = p["jaxpr"]
-  carry_atoms = eqn.invars[n_consts:n_consts + n_carry]
-  invals = [*invals[:n_consts], *_restore(env, carry_atoms, invals[n_consts:n_consts + n_carry]),
-            *invals[n_consts + n_carry:]]
-  out_dtypes = _declared(closed.jaxpr.outvars[:n_carry]) + \
-      (None,) * (len(closed.jaxpr.outvars) - n_carry)
+  carry_atoms = eqn.invars[n_consts : n_consts + n_carry]
+  invals = [
+    *invals[:n_consts],
+    *_restore(env, carry_atoms, invals[n_consts : n_consts + n_carry]),
+    *invals[n_consts + n_carry :],
+  ]
+  out_dtypes = _declared(closed.jaxpr.outvars[:n_carry]) + (None,) * (
+    len(closed.jaxpr.outvars) - n_carry
+  )
   computed = list(_computed_inputs(env, eqn.invars))
-  computed[n_consts:n_consts + n_carry] = [True] * n_carry  # carries are computed by the body
-  new, hoisted = rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, invals),
-                         ctx, out_dtypes, hoist=n_consts, path=_path(env, eqn),
-                         computed=tuple(computed))
+  computed[n_consts : n_consts + n_carry] = [True] * n_carry  # carries are computed by the body
+  new, hoisted = rewrite(
+    closed.jaxpr,
+    closed.consts,
+    body_avals(closed.jaxpr.invars, invals),
+    ctx,
+    out_dtypes,
+    hoist=n_consts,
+    path=sub_path(env.path, eqn),
+    computed=tuple(computed),
+  )
   extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
   params = dict(p, jaxpr=new, num_consts=n_consts + len(extras))
-  if "linear" in p:  # older JAX versions
-    linear = tuple(p["linear"])
-    params["linear"] = linear[:n_consts] + (False,) * len(extras) + linear[n_consts:]
   return env.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], params)
 
 
-@register_higher_order("while")
 def _while_rule(eqn, invals, env, ctx):
   p = eqn.params
   n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
-  cond_consts, body_consts = invals[:n_cond], invals[n_cond:n_cond + n_body]
-  carry_atoms = eqn.invars[n_cond + n_body:]
-  carry = _restore(env, carry_atoms, invals[n_cond + n_body:])
+  cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
+  carry_atoms = eqn.invars[n_cond + n_body :]
+  carry = _restore(env, carry_atoms, invals[n_cond + n_body :])
   cond, body = p["cond_jaxpr"], p["body_jaxpr"]
-  new_cond, _ = rewrite(cond.jaxpr, cond.consts,
-                        body_avals(cond.jaxpr.invars, [*cond_consts, *carry]), ctx,
-                        _declared(cond.jaxpr.outvars), path=_path(env, eqn, "cond"))
-  computed = _computed_inputs(env, eqn.invars[n_cond:n_cond + n_body]) + (True,) * len(carry)
-  new_body, hoisted = rewrite(body.jaxpr, body.consts,
-                              body_avals(body.jaxpr.invars, [*body_consts, *carry]), ctx,
-                              _declared(body.jaxpr.outvars), hoist=n_body,
-                              path=_path(env, eqn, "body"), computed=computed)
+  new_cond, _ = rewrite(
+    cond.jaxpr,
+    cond.consts,
+    body_avals(cond.jaxpr.invars, [*cond_consts, *carry]),
+    ctx,
+    _declared(cond.jaxpr.outvars),
+    path=sub_path(env.path, eqn, "cond"),
+  )
+  computed = _computed_inputs(env, eqn.invars[n_cond : n_cond + n_body]) + (True,) * len(carry)
+  new_body, hoisted = rewrite(
+    body.jaxpr,
+    body.consts,
+    body_avals(body.jaxpr.invars, [*body_consts, *carry]),
+    ctx,
+    _declared(body.jaxpr.outvars),
+    hoist=n_body,
+    path=sub_path(env.path, eqn, "body"),
+    computed=computed,
+  )
   extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
-  params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body,
-                body_nconsts=n_body + len(extras))
+  params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body, body_nconsts=n_body + len(extras))
   return env.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], params)
 
 
-@register_higher_order("cond")
 def _cond_rule(eqn, invals, env, ctx):
   branches = eqn.params["branches"]
   operands = invals[1:]
   out_dtypes = _declared(branches[0].jaxpr.outvars)
   computed = _computed_inputs(env, eqn.invars[1:])
-  new = tuple(rewrite(b.jaxpr, b.consts, body_avals(b.jaxpr.invars, operands), ctx,
-                      out_dtypes, path=_path(env, eqn, f"branch{i}"), computed=computed)[0]
-              for i, b in enumerate(branches))
+  new = tuple(
+    rewrite(
+      b.jaxpr,
+      b.consts,
+      body_avals(b.jaxpr.invars, operands),
+      ctx,
+      out_dtypes,
+      path=sub_path(env.path, eqn, f"branch{i}"),
+      computed=computed,
+    )[0]
+    for i, b in enumerate(branches)
+  )
   return env.bind(eqn, invals, dict(eqn.params, branches=new))
 
 
-@register_higher_order("shard_map")
 def _shard_map_rule(eqn, invals, env, ctx):
   """Re-binds through ``jax.shard_map``, which traces the body in the mesh's axis context."""
   p = eqn.params
   body = p["jaxpr"]
-  path = _path(env, eqn)
-  mapped = jax.shard_map(lambda *args: tuple(evaluate(body, (), args, ctx, path=path)),
-                         mesh=p["mesh"],
-                         in_specs=p["in_specs"], out_specs=p["out_specs"],
-                         axis_names=compat.shard_map_axis_names(p), check_vma=p["check_vma"])
+  path = sub_path(env.path, eqn)
+  mapped = jax.shard_map(
+    lambda *args: tuple(evaluate(body, (), args, ctx, path=path)),
+    mesh=p["mesh"],
+    in_specs=p["in_specs"],
+    out_specs=p["out_specs"],
+    axis_names=compat.shard_map_axis_names(p),
+    check_vma=p["check_vma"],
+  )
   return list(mapped(*invals))
 
 
-@register_higher_order("custom_linear_solve")
 def _linear_solve_rule(eqn, invals, env, ctx):
   """Each of the solve's functions (matvec, solve, ...) maps vectors of ``b``'s dtype to it."""
   lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
@@ -250,15 +313,23 @@ def _linear_solve_rule(eqn, invals, env, ctx):
   b_dtypes = tuple(compat.typeof(v).dtype for v in b)
   new, start = [], 0
   for length, closed in zip(lengths, jaxprs, strict=True):
-    consts = invals[start:start + length]
+    consts = invals[start : start + length]
     start += length
     if closed is None:
       new.append(None)
       continue
     body_in = [*consts, *_match(b, [v.aval.dtype for v in closed.jaxpr.invars[length:]])]
     body_in = [*consts, *_match(body_in[length:], b_dtypes)]
-    new.append(rewrite(closed.jaxpr, closed.consts, body_avals(closed.jaxpr.invars, body_in), ctx,
-                       b_dtypes, path=_path(env, eqn))[0])
+    new.append(
+      rewrite(
+        closed.jaxpr,
+        closed.consts,
+        body_avals(closed.jaxpr.invars, body_in),
+        ctx,
+        b_dtypes,
+        path=sub_path(env.path, eqn),
+      )[0]
+    )
   return env.bind(eqn, invals, dict(eqn.params, jaxprs=type(jaxprs)(*new)))
 
 
@@ -270,8 +341,11 @@ def _match(values, dtypes) -> list:
   out = []
   for value, dtype in zip(values, dtypes, strict=True):
     current = compat.typeof(value).dtype
-    if current == dtype or not jnp.issubdtype(current, jnp.inexact) \
-        or not jnp.issubdtype(dtype, jnp.inexact):
+    if (
+      current == dtype
+      or not jnp.issubdtype(current, jnp.inexact)
+      or not jnp.issubdtype(dtype, jnp.inexact)
+    ):
       out.append(value)
     else:
       out.append(lax.convert_element_type(value, dtype))
@@ -281,12 +355,17 @@ def _match(values, dtypes) -> list:
 def _autocast_primal(eqn, invals, env, ctx) -> tuple[compat.ClosedJaxpr, list]:
   """A custom-derivative call's primal body, autocast, and the dtypes of its outputs now."""
   call = eqn.params["call_jaxpr"]
-  body, _ = rewrite(call.jaxpr, call.consts, body_avals(call.jaxpr.invars, invals), ctx,
-                    path=_path(env, eqn), computed=_computed_inputs(env, eqn.invars))
+  body, _ = rewrite(
+    call.jaxpr,
+    call.consts,
+    body_avals(call.jaxpr.invars, invals),
+    ctx,
+    path=sub_path(env.path, eqn),
+    computed=_computed_inputs(env, eqn.invars),
+  )
   return body, [aval.dtype for aval in body.out_avals]
 
 
-@register_higher_order("custom_jvp_call")
 def _custom_jvp_rule(eqn, invals, env, ctx):
   num_consts = eqn.params["num_consts"]
   body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
@@ -300,7 +379,7 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
   def autocast_fun_jvp(primals, tangents):
     jaxpr, consts = rule_jaxpr()
     primals, tangents = primals[num_consts:], tangents[num_consts:]
-    outs = evaluate(jaxpr, consts, [*primals, *tangents], ctx, path=_path(env, eqn, "jvp"))
+    outs = evaluate(jaxpr, consts, [*primals, *tangents], ctx, path=sub_path(env.path, eqn, "jvp"))
     n = len(outs) // 2
     out_primals = _match(outs[:n], out_dtypes)
     out_tangents = _match(outs[n:], out_dtypes)
@@ -309,20 +388,64 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
   return list(autocast_fun(*invals))
 
 
-_bwd_policy = threading.local()
+_backward_policy: contextvars.ContextVar = contextvars.ContextVar(
+  "jaxamp_backward_policy", default=None
+)
 
 
 def backward_policy():
-  """The policy of the forward pass whose custom_vjp backward is being traced, if any."""
-  return getattr(_bwd_policy, "policy", None)
+  """The policy of the forward pass whose custom_vjp backward is being traced; None when that
+  forward ran with autocast off (a ``custom_fwd(cast_inputs=...)`` region) or outside autocast."""
+  return _backward_policy.get()
 
 
-@register_higher_order("custom_vjp_call")
+def _custom_fwd_region(jaxpr) -> regions.OpRegion | None:
+  """The ``custom_fwd(cast_inputs=...)`` region every eqn of ``jaxpr`` was traced in, if one."""
+  found = None
+  for eqn in jaxpr.eqns:
+    marks = regions.marks_of(eqn)
+    region = None if marks.kept else next((op for op in marks.ops if op.cast_to is not None), None)
+    if region is None or (found is not None and region.instance != found.instance):
+      return None
+    found = region
+  return found
+
+
+def _enter_custom_fwd(eqn, invals, env, ctx) -> tuple[list, Context]:
+  """A custom_vjp whose ``fwd`` rule (torch's spelling) or primal (JAX's) is a
+  ``custom_fwd(cast_inputs=...)`` function is that region as a whole: its floating inputs are
+  cast to the region's dtype, and primal, ``fwd`` and ``custom_bwd`` all run with autocast off.
+
+  torch's ``autograd.Function`` has one forward; a custom_vjp has two, the primal (run when
+  nothing is differentiated) and ``fwd`` (run under ``grad``/``vjp``), which must agree in
+  dtypes. Inside an op call (``ctx.op``) everything already runs natively: nothing changes.
+  """
+  if ctx.op is not None:
+    return invals, ctx
+  region = _custom_fwd_region(eqn.params["call_jaxpr"].jaxpr)
+  if region is None:
+    fwd_jaxpr, _, _, _ = compat.custom_vjp_rules(eqn)
+    region = _custom_fwd_region(fwd_jaxpr()[0])
+  if region is None:
+    return invals, ctx
+  cast = [
+    env.cast(atom, region.cast_to) if casting.is_eligible(env.dtype(atom)) else value
+    for atom, value in zip(eqn.invars, invals, strict=True)
+  ]
+  return cast, ctx._replace(op=region)
+
+
 def _custom_vjp_rule(eqn, invals, env, ctx):
   num_consts = eqn.params["num_consts"]
+  invals, ctx = _enter_custom_fwd(eqn, invals, env, ctx)
+  # In a custom_fwd(cast_inputs=...) region, as in torch, the backward (custom_bwd or not) runs
+  # with autocast off on what the forward saved and cotangents in the outputs' dtypes; elsewhere
+  # on residuals and cotangents in their traced dtypes, custom_bwd under the forward's policy.
+  as_saved = ctx.op is not None and ctx.op.cast_to is not None
+  bwd_policy = None if as_saved else ctx.policy
   body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
   traced_out = [v.aval.dtype for v in eqn.outvars]
-  traced_out_avals = [v.aval for v in eqn.outvars]
+  ct_avals = body.out_avals if as_saved else [v.aval for v in eqn.outvars]
   in_dtypes = [compat.typeof(v).dtype for v in invals]
   fwd_jaxpr, residual_dtypes, assemble, bwd = compat.custom_vjp_rules(eqn)
 
@@ -332,25 +455,47 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
 
   def autocast_fwd(*xs):
     jaxpr, consts = fwd_jaxpr()
-    res_and_outs = evaluate(jaxpr, consts, list(xs[num_consts:]), ctx,
-                            path=_path(env, eqn, "fwd"))
+    res_and_outs = evaluate(
+      jaxpr, consts, list(xs[num_consts:]), ctx, path=sub_path(env.path, eqn, "fwd")
+    )
     residuals, outs = assemble(res_and_outs, xs)
     return _match(outs, out_dtypes), tuple(residuals)  # a list, like the primal's outputs
 
   def autocast_bwd(residuals, cts):
-    residuals = _match(list(residuals), residual_dtypes())
-    cts = [compat.instantiate(ct, aval) for ct, aval in zip(cts, traced_out_avals, strict=True)]
-    cts = _match(cts, traced_out)
-    previous, _bwd_policy.policy = backward_policy(), ctx.policy
+    cts = [compat.instantiate(ct, aval) for ct, aval in zip(cts, ct_avals, strict=True)]
+    if not as_saved:
+      residuals = _match(list(residuals), residual_dtypes())
+      cts = _match(cts, traced_out)
+    token = _backward_policy.set(bwd_policy)
     try:
       in_cts = bwd(*residuals, *cts)
     finally:
-      _bwd_policy.policy = previous
-    const_cts = [jnp.zeros(compat.typeof(x).shape, compat.typeof(x).dtype)
-                 for x in invals[:num_consts]]
-    in_cts = [compat.instantiate(ct, compat.typeof(x))
-              for ct, x in zip(in_cts, invals[num_consts:], strict=True)]
+      _backward_policy.reset(token)
+    const_cts = [
+      jnp.zeros(compat.typeof(x).shape, compat.typeof(x).dtype) for x in invals[:num_consts]
+    ]
+    in_cts = [
+      compat.instantiate(ct, compat.typeof(x))
+      for ct, x in zip(in_cts, invals[num_consts:], strict=True)
+    ]
     return tuple(_match([*const_cts, *in_cts], in_dtypes))
 
   autocast_fun.defvjp(autocast_fwd, autocast_bwd)
   return list(autocast_fun(*invals))
+
+
+# Higher-order primitive -> its rule: each rewrites its bodies and re-binds the primitive.
+RULES = interpreter.Rules(
+  higher_order={
+    prims.jit_p: _jit_rule,
+    prims.closed_call_p: _closed_call_rule,
+    prims.remat_p: _remat_rule,
+    prims.scan_p: _scan_rule,
+    prims.while_p: _while_rule,
+    prims.cond_p: _cond_rule,
+    prims.shard_map_p: _shard_map_rule,
+    prims.linear_solve_p: _linear_solve_rule,
+    prims.custom_jvp_call_p: _custom_jvp_rule,
+    prims.custom_vjp_call_p: _custom_vjp_rule,
+  }
+)

@@ -39,8 +39,9 @@ def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
   return module(*args, **kwargs)
 
 
-def _pure_call(fun: Callable, graphdef: Any, is_module: tuple, treedef: Any, state: Any,
-               others: list) -> tuple[Any, Any]:
+def _pure_call(
+  fun: Callable, graphdef: Any, is_module: tuple, treedef: Any, state: Any, others: list
+) -> tuple[Any, Any]:
   """``fun`` on the modules rebuilt from ``state``; its output and the modules' new state."""
   nnx = _nnx()
   inner_modules, inner_others = iter(nnx.merge(graphdef, state)), iter(others)
@@ -67,8 +68,11 @@ def call_keeping_state(call: Callable, fun: Callable, args: tuple, kwargs: dict)
   pure_fun = functools.partial(_pure_call, fun, graphdef, is_module, treedef)
   out, new_state = call(pure_fun, (state, others), {})
   old = dict(nnx.to_flat_state(state))
-  changed = [(path, var) for path, var in nnx.to_flat_state(new_state)
-             if path not in old or not _same(var, old[path])]
+  changed = [
+    (path, var)
+    for path, var in nnx.to_flat_state(new_state)
+    if path not in old or not _same(var, old[path])
+  ]
   if changed:
     nnx.update(modules, nnx.from_flat_state(changed))
   return out

@@ -22,6 +22,7 @@ import itertools
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -29,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._src import compat
-from jaxamp._src.policy import Category
+from jaxamp._src import compat, library_ops
+from jaxamp._src.table import Category
 
 # Name scopes of eqns autocast runs exactly as written: what an autocast call emitted (the scope
 # profiles show around autocast code) and the inside of autocast_disabled() blocks.
@@ -38,7 +39,9 @@ AUTOCAST_MARK = "jaxamp.autocast"
 KEPT_MARK = "jaxamp.kept"
 _KEPT_MARKS = frozenset({AUTOCAST_MARK, KEPT_MARK})
 _OP_PREFIX = "jaxamp.op:"
-_instances = itertools.count()
+# Trace -> the numbers of the op calls traced in it so far: the same function traced twice is
+# numbered alike (``jaxamp.op:mse_loss#0`` in both lowerings' metadata).
+_op_numbers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class OpRegion(NamedTuple):
@@ -80,7 +83,11 @@ def autocast_disabled() -> contextlib.AbstractContextManager[None]:
 @contextlib.contextmanager
 def op_region(name: str) -> Iterator[None]:
   """Marks everything traced inside as one op named ``name`` (a row of the policy tables)."""
-  with jax.named_scope(f"{_OP_PREFIX}{name}#{next(_instances)}"):
+  trace = compat.current_trace()
+  numbers = _op_numbers.get(trace)
+  if numbers is None:
+    numbers = _op_numbers[trace] = itertools.count()
+  with jax.named_scope(f"{_OP_PREFIX}{name}#{next(numbers)}"):
     yield
 
 
@@ -92,8 +99,9 @@ def custom_fwd_name(dtype: np.dtype) -> str:
   return f"{_CUSTOM_FWD}{np.dtype(dtype).name}"
 
 
-def register_op(op: str | Callable, name: str | None = None, *,
-                category: Category | str | None = None) -> Callable:
+def register_op(
+  op: str | Callable, name: str | None = None, *, category: Category | str | None = None
+) -> Callable:
   """Makes a function one autocast op region named ``name``: a row of the policy tables.
 
   The policy's table decides the category of ``name``; ``category`` is used where the table has
@@ -114,8 +122,10 @@ def register_op(op: str | Callable, name: str | None = None, *,
   """
   if callable(op) and not isinstance(op, str):
     if not isinstance(name, str) or not name:
-      raise TypeError(f"`name` must be a non-empty string; got {op!r} with name={name!r} "
-                      "(register_op(fun, name=...) recognises fun as op `name`).")
+      raise TypeError(
+        f"`name` must be a non-empty string; got {op!r} with name={name!r} "
+        "(register_op(fun, name=...) recognises fun as op `name`)."
+      )
     _set_default(name, category)
     register_library_op(op, name)
     return op
@@ -145,8 +155,10 @@ def _set_default(name: str, category: Category | str | None) -> None:
   category than an earlier one raises rather than silently changing every call of the op."""
   default, earlier = _as_category(category), _user_defaults.get(name)
   if default is not None and earlier is not None and default != earlier:
-    raise ValueError(f"op {name!r} is registered with category {earlier.value!r}; registering "
-                     f"it again with {default.value!r} would silently change it.")
+    raise ValueError(
+      f"op {name!r} is registered with category {earlier.value!r}; registering "
+      f"it again with {default.value!r} would silently change it."
+    )
   _user_defaults[name] = default if default is not None else earlier
   _library_ops_of.cache_clear()  # library regions of ``name`` take this default too
 
@@ -181,8 +193,10 @@ def code_of(fun: Callable) -> types.CodeType:
   inner = getattr(inner, "__func__", inner)
   code = getattr(inner, "__code__", None)
   if not isinstance(code, types.CodeType):
-    raise TypeError(f"{fun!r} has no Python code object to recognise in a traceback; register "
-                    "the Python function it runs (for a class, its `__call__`).")
+    raise TypeError(
+      f"{fun!r} has no Python code object to recognise in a traceback; register "
+      "the Python function it runs (for a class, its `__call__`)."
+    )
   return code
 
 
@@ -218,8 +232,21 @@ def _resolve_pending() -> None:
       try:
         register_library_op(resolve(module, path), name)
       except (AttributeError, TypeError) as error:
-        warnings.warn(f"jaxamp cannot recognise {module}.{path} as op {name!r} ({error}); its "
-                      "eqns follow per-primitive rules.", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+          f"jaxamp cannot recognise {module}.{path} as op {name!r} ({error}); its "
+          "eqns follow per-primitive rules.",
+          RuntimeWarning,
+          stacklevel=2,
+        )
+
+
+def _recognise_library_ops() -> None:
+  """Recognises ``library_ops``' functions: jax's and optax's now (a rename fails at import),
+  the optional libraries' once they are imported."""
+  for module, path, name in library_ops.EAGER_OPS:
+    register_library_op(resolve(module, path), name)
+  for module, path, name in library_ops.LAZY_OPS:
+    register_library_op_lazily(module, path, name)
 
 
 class Marks(NamedTuple):
@@ -254,14 +281,14 @@ def marks_of(eqn) -> Marks:
 
 @functools.lru_cache(maxsize=4096)
 def _named_op(scope: str) -> OpRegion:
-  name = scope[len(_OP_PREFIX):].rpartition("#")[0]
-  cast_to = np.dtype(jnp.dtype(name[len(_CUSTOM_FWD):])) if name.startswith(_CUSTOM_FWD) else None
+  name = scope[len(_OP_PREFIX) :].rpartition("#")[0]
+  cast_to = np.dtype(jnp.dtype(name[len(_CUSTOM_FWD) :])) if name.startswith(_CUSTOM_FWD) else None
   return OpRegion(name, scope, _user_defaults.get(name), cast_to)
 
 
 @functools.lru_cache(maxsize=4096)
 def _library_ops_of(
-    frames: tuple[tuple[types.CodeType, int], ...],
+  frames: tuple[tuple[types.CodeType, int], ...],
 ) -> tuple[tuple[OpRegion, ...], tuple[tuple[int, ...], ...]]:
   """The recognised library functions among ``frames`` (innermost first), outermost first.
 
@@ -276,5 +303,8 @@ def _library_ops_of(
       caller, at = frames[index + 1] if index + 1 < len(frames) else (None, 0)
       site = f"{caller.co_filename}:{caller.co_qualname}" if caller is not None else ""
       found.append(OpRegion(name, f"{name}@{site}:{at}", _user_defaults.get(name)))
-      positions.append(tuple(offset for _, offset in reversed(frames[:index + 1])))
+      positions.append(tuple(offset for _, offset in reversed(frames[: index + 1])))
   return tuple(reversed(found)), tuple(reversed(positions))
+
+
+_recognise_library_ops()

@@ -16,9 +16,9 @@ from typing import Any
 import jax
 
 SEARCHED = (
-    "every node of the pytree, including `optax.chain` tuples, "
-    "`MultiStepsState.inner_opt_state`, `InjectHyperparamsState.inner_state`, "
-    "flax `TrainState.opt_state` and `nnx.Optimizer.opt_state`"
+  "every node of the pytree, including `optax.chain` tuples, "
+  "`MultiStepsState.inner_opt_state`, `InjectHyperparamsState.inner_state`, "
+  "flax `TrainState.opt_state` and `nnx.Optimizer.opt_state`"
 )
 
 
@@ -49,14 +49,14 @@ def tree_find_one(tree: Any, node_type: type, tree_name: str) -> Any:
   nodes = tree_find_nodes(tree, node_type)
   if not nodes:
     raise ValueError(
-        f"`{tree_name}` contains no `{node_type.__name__}`: searched {SEARCHED}; got a "
-        f"{type(tree).__name__}. Create the optimizer with `jaxamp.dynamic_loss_scale(...)` and "
-        "pass its state (or the TrainState / nnx.Optimizer holding it)."
+      f"`{tree_name}` contains no `{node_type.__name__}`: searched {SEARCHED}; got a "
+      f"{type(tree).__name__}. Create the optimizer with `jaxamp.dynamic_loss_scale(...)` and "
+      "pass its state (or the TrainState / nnx.Optimizer holding it)."
     )
   if len(nodes) > 1:
     raise ValueError(
-        f"`{tree_name}` contains {len(nodes)} `{node_type.__name__}` nodes, expected exactly one; "
-        "pass the sub-tree of the scaler you mean."
+      f"`{tree_name}` contains {len(nodes)} `{node_type.__name__}` nodes, expected exactly one; "
+      "pass the sub-tree of the scaler you mean."
     )
   return nodes[0]
 

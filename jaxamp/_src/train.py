@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._src import autocast as autocast_lib
-from jaxamp._src import loss_scale, state_tree
+from jaxamp._src import grad_scaler, loss_scale, nonfinite, state_tree
 
 Metrics = dict[str, Any]
 
@@ -26,8 +26,8 @@ def _scaler_state(opt_state: Any) -> loss_scale.DynamicLossScaleState | None:
   found = state_tree.tree_find_nodes(opt_state, loss_scale.DynamicLossScaleState)
   if len(found) > 1:
     raise ValueError(
-        f"the optimizer state holds {len(found)} `dynamic_loss_scale` states; the train step "
-        "helpers support one scaler per optimizer."
+      f"the optimizer state holds {len(found)} `dynamic_loss_scale` states; the train step "
+      "helpers support one scaler per optimizer."
     )
   return found[0] if found else None
 
@@ -42,8 +42,8 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any, bool]:
   if isinstance(out, tuple | list):
     if len(out) != 2:
       raise ValueError(
-          f"the loss function must return a scalar loss or a pair (loss, aux); got a "
-          f"{type(out).__name__} of length {len(out)}."
+        f"the loss function must return a scalar loss or a pair (loss, aux); got a "
+        f"{type(out).__name__} of length {len(out)}."
       )
     loss, aux = out
     has_aux = True
@@ -51,8 +51,8 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any, bool]:
     loss, aux, has_aux = out, None, False
   if jnp.ndim(loss) != 0 or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
     raise ValueError(
-        "the loss must be a floating-point scalar; got shape "
-        f"{jnp.shape(loss)} and dtype {jnp.result_type(loss)}."
+      "the loss must be a floating-point scalar; got shape "
+      f"{jnp.shape(loss)} and dtype {jnp.result_type(loss)}."
     )
   return jnp.asarray(loss).astype(jnp.float32), aux, has_aux
 
@@ -65,20 +65,33 @@ def _metrics(loss: jax.Array, aux: Any, has_aux: bool, opt_state: Any) -> Metric
   """loss, and the scaler's scale, found_inf and skipped_steps after the update (or neutral)."""
   scaler = _scaler_state(opt_state)
   if scaler is None or not scaler.enabled:
-    metrics = {"loss": loss, "scale": jnp.ones([], jnp.float32),
-               "found_inf": jnp.array(False), "skipped_steps": jnp.zeros([], jnp.int32)}
+    metrics = {
+      "loss": loss,
+      "scale": jnp.ones([], jnp.float32),
+      "found_inf": jnp.array(False),
+      "skipped_steps": jnp.zeros([], jnp.int32),
+    }
   else:
     unwrap = state_tree.tree_unwrap
-    metrics = {"loss": loss, "scale": loss_scale.get_scale(scaler),
-               "found_inf": jnp.asarray(unwrap(scaler.found_inf)),
-               "skipped_steps": jnp.asarray(unwrap(scaler.skipped_steps))}
+    metrics = {
+      "loss": loss,
+      "scale": grad_scaler.get_scale(scaler),
+      "found_inf": jnp.asarray(unwrap(scaler.found_inf)),
+      "skipped_steps": jnp.asarray(unwrap(scaler.skipped_steps)),
+    }
   if has_aux:
     metrics["aux"] = aux
   return metrics
 
 
-def make_train_step(loss_fn: Callable[..., Any], *, device_type: str | None = None,
-                    dtype: Any = None, enabled: bool = True) -> Callable[..., tuple[Any, Metrics]]:
+def make_train_step(
+  loss_fn: Callable[..., Any],
+  *,
+  device_type: str | None = None,
+  dtype: Any = None,
+  enabled: bool = True,
+  nonfinite_report: bool = False,
+) -> Callable[..., tuple[Any, Metrics]]:
   """A mixed-precision train step for a flax ``TrainState`` (or any state with its interface).
 
   ``loss_fn(params, batch, *args, **kwargs)`` returns a scalar loss or ``(loss, aux)``. The
@@ -97,6 +110,14 @@ def make_train_step(loss_fn: Callable[..., Any], *, device_type: str | None = No
   ``skipped_steps`` (skipped updates so far) and ``aux`` when ``loss_fn`` returned one. With
   ``jaxamp.multi_steps`` around the scaler, ``found_inf`` and ``scale`` change only when an
   accumulated step is applied.
+
+  ``nonfinite_report=True`` adds ``metrics["nonfinite_report"]``, the ``jaxamp.NonfiniteReport``
+  of the gradients as the scaler checks them: of the scaled loss, before unscaling (plain
+  gradients without a scaler). Its non-finite leaves are exactly the ones that set ``found_inf``,
+  and ``print(metrics["nonfinite_report"])`` names them, worst first: the layer where the float16
+  backward pass overflowed. Unscaling would not change the counts (a finite factor keeps Inf and
+  NaN), but the scaled ``max_finite`` shows the headroom left below float16's 65504; divide it by
+  the scale the step used (the previous step's ``scale``) for the gradient's own magnitude.
 
   Example::
 
@@ -120,6 +141,8 @@ def make_train_step(loss_fn: Callable[..., Any], *, device_type: str | None = No
       default backend's, as for ``jaxamp.autocast``.
     dtype: the low-precision dtype; None: the device type's default.
     enabled: False trains in the dtypes the model was written in (no autocast).
+    nonfinite_report: add the gradients' ``jaxamp.NonfiniteReport`` to the metrics (one fused
+      pass over the gradients, about the cost of the scaler's finite check).
 
   Returns:
     ``step(state, batch, *args, **kwargs) -> (new_state, metrics)``, jit-compatible.
@@ -133,18 +156,27 @@ def make_train_step(loss_fn: Callable[..., Any], *, device_type: str | None = No
     def objective(params: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
       loss, aux, has_aux = _split_loss(forward(params, batch, *args, **kwargs))
       has_aux_box.append(has_aux)
-      objective_value = loss_scale.scale_loss(loss, state.opt_state) if scaled else loss
+      objective_value = grad_scaler.scale_loss(loss, state.opt_state) if scaled else loss
       return objective_value, (loss, aux)
 
     grads, (loss, aux) = jax.grad(objective, has_aux=True)(state.params)
     state = state.apply_gradients(grads=grads)
-    return state, _metrics(loss, aux, has_aux_box[0], state.opt_state)
+    metrics = _metrics(loss, aux, has_aux_box[0], state.opt_state)
+    if nonfinite_report:
+      metrics["nonfinite_report"] = nonfinite.nonfinite_report(grads)
+    return state, metrics
 
   return step
 
 
-def make_nnx_train_step(loss_fn: Callable[..., Any], *, device_type: str | None = None,
-                        dtype: Any = None, enabled: bool = True) -> Callable[..., Metrics]:
+def make_nnx_train_step(
+  loss_fn: Callable[..., Any],
+  *,
+  device_type: str | None = None,
+  dtype: Any = None,
+  enabled: bool = True,
+  nonfinite_report: bool = False,
+) -> Callable[..., Metrics]:
   """A mixed-precision train step for an nnx model and its ``nnx.Optimizer``.
 
   ``loss_fn(model, batch, *args, **kwargs)`` returns a scalar loss or ``(loss, aux)``. The
@@ -178,6 +210,8 @@ def make_nnx_train_step(loss_fn: Callable[..., Any], *, device_type: str | None 
     device_type: the autocast policy, as for ``make_train_step``.
     dtype: the low-precision dtype; None: the device type's default.
     enabled: False trains in the dtypes the model was written in (no autocast).
+    nonfinite_report: add the gradients' ``jaxamp.NonfiniteReport`` (paths as in the gradient
+      ``nnx.State``) to the metrics, as for ``make_train_step``.
 
   Returns:
     ``step(model, optimizer, batch, *args, **kwargs) -> metrics``; use it under ``nnx.jit``.
@@ -193,16 +227,20 @@ def make_nnx_train_step(loss_fn: Callable[..., Any], *, device_type: str | None 
 
     # The extra arguments go through value_and_grad, not a closure: nnx objects among them (an
     # nnx.Rngs for dropout) may then update their state inside the gradient's trace.
-    def objective(model: Any, batch: Any, args: tuple,
-                  kwargs: dict) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+    def objective(
+      model: Any, batch: Any, args: tuple, kwargs: dict
+    ) -> tuple[jax.Array, tuple[jax.Array, Any]]:
       loss, aux, has_aux = _split_loss(forward(model, batch, *args, **kwargs))
       has_aux_box.append(has_aux)
-      objective_value = loss if scaler is None else loss_scale.scale_loss(loss, scaler)
+      objective_value = loss if scaler is None else grad_scaler.scale_loss(loss, scaler)
       return objective_value, (loss, aux)
 
     grad_fn = nnx.value_and_grad(objective, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
     (_, (loss, aux)), grads = grad_fn(model, batch, args, kwargs)
     optimizer.update(model, grads)
-    return _metrics(loss, aux, has_aux_box[0], optimizer.opt_state)
+    metrics = _metrics(loss, aux, has_aux_box[0], optimizer.opt_state)
+    if nonfinite_report:
+      metrics["nonfinite_report"] = nonfinite.nonfinite_report(grads)
+    return metrics
 
   return step

@@ -30,50 +30,46 @@ from jaxtyping import Array, Float, Int, PyTree  # https://github.com/google/jax
 
 
 class CNN(eqx.Module):
-    layers: list
+  layers: list
 
-    def __init__(self, key):
-        key1, key2, key3, key4 = jax.random.split(key, 4)
-        # Standard CNN setup: convolutional layer, followed by flattening,
-        # with a small MLP on top.
-        self.layers = [
-            eqx.nn.Conv2d(1, 3, kernel_size=4, key=key1),
-            eqx.nn.MaxPool2d(kernel_size=2),
-            jax.nn.relu,
-            jnp.ravel,
-            eqx.nn.Linear(1728, 512, key=key2),
-            jax.nn.sigmoid,
-            eqx.nn.Linear(512, 64, key=key3),
-            jax.nn.relu,
-            eqx.nn.Linear(64, 10, key=key4),
-            jax.nn.log_softmax,
-        ]
+  def __init__(self, key):
+    key1, key2, key3, key4 = jax.random.split(key, 4)
+    # Standard CNN setup: convolutional layer, followed by flattening,
+    # with a small MLP on top.
+    self.layers = [
+      eqx.nn.Conv2d(1, 3, kernel_size=4, key=key1),
+      eqx.nn.MaxPool2d(kernel_size=2),
+      jax.nn.relu,
+      jnp.ravel,
+      eqx.nn.Linear(1728, 512, key=key2),
+      jax.nn.sigmoid,
+      eqx.nn.Linear(512, 64, key=key3),
+      jax.nn.relu,
+      eqx.nn.Linear(64, 10, key=key4),
+      jax.nn.log_softmax,
+    ]
 
-    def __call__(self, x: Float[Array, "1 28 28"]) -> Float[Array, "10"]:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def loss(
-    model: CNN, x: Float[Array, "batch 1 28 28"], y: Int[Array, " batch"]
-) -> Float[Array, ""]:
-    # Our input has the shape (BATCH_SIZE, 1, 28, 28), but our model operations on
-    # a single input input image of shape (1, 28, 28).
-    #
-    # Therefore, we have to use jax.vmap, which in this case maps our model over the
-    # leading (batch) axis.
-    pred_y = jax.vmap(model)(x)
-    return cross_entropy(y, pred_y)
+  def __call__(self, x: Float[Array, "1 28 28"]) -> Float[Array, "10"]:
+    for layer in self.layers:
+      x = layer(x)
+    return x
 
 
-def cross_entropy(
-    y: Int[Array, " batch"], pred_y: Float[Array, "batch 10"]
-) -> Float[Array, ""]:
-    # y are the true targets, and should be integers 0-9.
-    # pred_y are the log-softmax'd predictions.
-    pred_y = jnp.take_along_axis(pred_y, jnp.expand_dims(y, 1), axis=1)
-    return -jnp.mean(pred_y)
+def loss(model: CNN, x: Float[Array, "batch 1 28 28"], y: Int[Array, " batch"]) -> Float[Array, ""]:
+  # Our input has the shape (BATCH_SIZE, 1, 28, 28), but our model operations on
+  # a single input input image of shape (1, 28, 28).
+  #
+  # Therefore, we have to use jax.vmap, which in this case maps our model over the
+  # leading (batch) axis.
+  pred_y = jax.vmap(model)(x)
+  return cross_entropy(y, pred_y)
+
+
+def cross_entropy(y: Int[Array, " batch"], pred_y: Float[Array, "batch 10"]) -> Float[Array, ""]:
+  # y are the true targets, and should be integers 0-9.
+  # pred_y are the log-softmax'd predictions.
+  pred_y = jnp.take_along_axis(pred_y, jnp.expand_dims(y, 1), axis=1)
+  return -jnp.mean(pred_y)
 
 
 # --- examples/stateful.ipynb ---
@@ -82,39 +78,37 @@ def cross_entropy(
 # This model is just a weird mish-mash of stateful and non-stateful layers for
 # demonstration purposes, it isn't doing any clever.
 class Model(eqx.Module):
-    norm1: eqx.nn.BatchNorm
-    spectral_linear: eqx.nn.SpectralNorm[eqx.nn.Linear]
-    norm2: eqx.nn.BatchNorm
-    linear1: eqx.nn.Linear
-    linear2: eqx.nn.Linear
+  norm1: eqx.nn.BatchNorm
+  spectral_linear: eqx.nn.SpectralNorm[eqx.nn.Linear]
+  norm2: eqx.nn.BatchNorm
+  linear1: eqx.nn.Linear
+  linear2: eqx.nn.Linear
 
-    def __init__(self, key):
-        key1, key2, key3, key4 = jr.split(key, 4)
-        self.norm1 = eqx.nn.BatchNorm(input_size=3, axis_name="batch")
-        self.spectral_linear = eqx.nn.SpectralNorm(
-            layer=eqx.nn.Linear(in_features=3, out_features=32, key=key1),
-            weight_name="weight",
-            key=key2,
-        )
-        self.norm2 = eqx.nn.BatchNorm(input_size=32, axis_name="batch")
-        self.linear1 = eqx.nn.Linear(in_features=32, out_features=32, key=key3)
-        self.linear2 = eqx.nn.Linear(in_features=32, out_features=3, key=key4)
+  def __init__(self, key):
+    key1, key2, key3, key4 = jr.split(key, 4)
+    self.norm1 = eqx.nn.BatchNorm(input_size=3, axis_name="batch")
+    self.spectral_linear = eqx.nn.SpectralNorm(
+      layer=eqx.nn.Linear(in_features=3, out_features=32, key=key1),
+      weight_name="weight",
+      key=key2,
+    )
+    self.norm2 = eqx.nn.BatchNorm(input_size=32, axis_name="batch")
+    self.linear1 = eqx.nn.Linear(in_features=32, out_features=32, key=key3)
+    self.linear2 = eqx.nn.Linear(in_features=32, out_features=3, key=key4)
 
-    def __call__(self, x, state):
-        x, state = self.norm1(x, state)
-        x, state = self.spectral_linear(x, state)
-        x = jax.nn.relu(x)
-        x, state = self.norm2(x, state)
-        x = self.linear1(x)
-        x = jax.nn.relu(x)
-        x = self.linear2(x)
-        return x, state
+  def __call__(self, x, state):
+    x, state = self.norm1(x, state)
+    x, state = self.spectral_linear(x, state)
+    x = jax.nn.relu(x)
+    x, state = self.norm2(x, state)
+    x = self.linear1(x)
+    x = jax.nn.relu(x)
+    x = self.linear2(x)
+    return x, state
 
 
 def compute_loss(model, state, xs, ys):
-    batch_model = jax.vmap(
-        model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
-    )
-    pred_ys, state = batch_model(xs, state)
-    loss = jnp.mean((pred_ys - ys) ** 2)
-    return loss, state
+  batch_model = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+  pred_ys, state = batch_model(xs, state)
+  loss = jnp.mean((pred_ys - ys) ** 2)
+  return loss, state

@@ -65,9 +65,7 @@ def shift_right(x, axis=1):
   """Shift the input to the right by padding and slicing on axis."""
   pad_widths = [(0, 0)] * len(x.shape)
   pad_widths[axis] = (1, 0)
-  padded = jnp.pad(
-      x, pad_widths, mode='constant', constant_values=x.dtype.type(0)
-  )
+  padded = jnp.pad(x, pad_widths, mode="constant", constant_values=x.dtype.type(0))
   return lax.dynamic_slice_in_dim(padded, 0, padded.shape[axis] - 1, axis)
 
 
@@ -137,28 +135,20 @@ class AddPositionEmbs(nn.Module):
     """
     config = self.config
     # inputs.shape is (batch_size, seq_len, emb_dim)
-    assert inputs.ndim == 3, (
-        'Number of dimensions should be 3, but it is: %d' % inputs.ndim
-    )
+    assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim
     length = inputs.shape[1]
     pos_emb_shape = (1, config.max_len, inputs.shape[-1])
     if config.posemb_init is None:
       # Use a fixed (non-learned) sinusoidal position embedding.
-      pos_embedding = sinusoidal_init(max_len=config.max_len)(
-          None, pos_emb_shape, None
-      )
+      pos_embedding = sinusoidal_init(max_len=config.max_len)(None, pos_emb_shape, None)
     else:
-      pos_embedding = self.param(
-          'pos_embedding', config.posemb_init, pos_emb_shape
-      )
+      pos_embedding = self.param("pos_embedding", config.posemb_init, pos_emb_shape)
     pe = pos_embedding[:, :length, :]
 
     # We use a cache position index for tracking decoding position.
     if self.decode:
-      is_initialized = self.has_variable('cache', 'cache_index')
-      cache_index = self.variable(
-          'cache', 'cache_index', lambda: jnp.array(0, dtype=jnp.uint32)
-      )
+      is_initialized = self.has_variable("cache", "cache_index")
+      cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.uint32))
       if is_initialized:
         i = cache_index.value
         cache_index.value = i + 1
@@ -189,28 +179,20 @@ class MlpBlock(nn.Module):
     config = self.config
     actual_out_dim = inputs.shape[-1] if self.out_dim is None else self.out_dim
     x = nn.Dense(
-        config.mlp_dim,
-        dtype=config.dtype,
-        kernel_init=nn.with_logical_partitioning(
-            config.kernel_init, ('embed', 'mlp')
-        ),
-        bias_init=nn.with_logical_partitioning(config.bias_init, ('mlp',)),
+      config.mlp_dim,
+      dtype=config.dtype,
+      kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "mlp")),
+      bias_init=nn.with_logical_partitioning(config.bias_init, ("mlp",)),
     )(inputs)
     x = nn.relu(x)
-    x = nn.Dropout(rate=config.dropout_rate)(
-        x, deterministic=config.deterministic
-    )
+    x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
     output = nn.Dense(
-        actual_out_dim,
-        dtype=config.dtype,
-        kernel_init=nn.with_logical_partitioning(
-            config.kernel_init, ('mlp', 'embed')
-        ),
-        bias_init=nn.with_logical_partitioning(config.bias_init, ('embed',)),
+      actual_out_dim,
+      dtype=config.dtype,
+      kernel_init=nn.with_logical_partitioning(config.kernel_init, ("mlp", "embed")),
+      bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
     )(x)
-    output = nn.Dropout(rate=config.dropout_rate)(
-        output, deterministic=config.deterministic
-    )
+    output = nn.Dropout(rate=config.dropout_rate)(output, deterministic=config.deterministic)
     return output
 
 
@@ -240,42 +222,30 @@ class EncoderDecoder1DBlock(nn.Module):
     # Decoder block.
     assert inputs.ndim == 3
     x = nn.LayerNorm(
-        dtype=config.dtype,
-        bias_init=nn.with_logical_partitioning(
-            nn.initializers.zeros, ('embed',)
-        ),
-        scale_init=nn.with_logical_partitioning(
-            nn.initializers.ones, ('embed',)
-        ),
+      dtype=config.dtype,
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
     )(inputs)
     x = nn.SelfAttention(
-        num_heads=config.num_heads,
-        dtype=config.dtype,
-        qkv_features=config.qkv_dim,
-        kernel_init=nn.with_logical_partitioning(
-            config.kernel_init, ('embed', 'kv')
-        ),
-        bias_init=nn.with_logical_partitioning(config.bias_init, ('embed',)),
-        use_bias=False,
-        broadcast_dropout=False,
-        dropout_rate=config.attention_dropout_rate,
-        deterministic=config.deterministic,
-        decode=config.decode,
+      num_heads=config.num_heads,
+      dtype=config.dtype,
+      qkv_features=config.qkv_dim,
+      kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "kv")),
+      bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
+      use_bias=False,
+      broadcast_dropout=False,
+      dropout_rate=config.attention_dropout_rate,
+      deterministic=config.deterministic,
+      decode=config.decode,
     )(x, decoder_mask)
-    x = nn.Dropout(rate=config.dropout_rate)(
-        x, deterministic=config.deterministic
-    )
+    x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
     x = x + inputs
 
     # MLP block.
     z = nn.LayerNorm(
-        dtype=config.dtype,
-        bias_init=nn.with_logical_partitioning(
-            nn.initializers.zeros, ('embed',)
-        ),
-        scale_init=nn.with_logical_partitioning(
-            nn.initializers.ones, ('embed',)
-        ),
+      dtype=config.dtype,
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
     )(x)
     z = MlpBlock(config=config)(z)
 
@@ -295,12 +265,12 @@ class Decoder(nn.Module):
 
   @nn.compact
   def __call__(
-      self,
-      inputs,
-      inputs_positions=None,
-      inputs_segmentation=None,
-      decoder_mask=None,
-      encoder_decoder_mask=None,
+    self,
+    inputs,
+    inputs_positions=None,
+    inputs_segmentation=None,
+    decoder_mask=None,
+    encoder_decoder_mask=None,
   ):
     """Applies Transformer model on the inputs.
 
@@ -321,42 +291,36 @@ class Decoder(nn.Module):
     # Target Embedding
     if self.shared_embedding is None:
       output_embed = nn.Embed(
-          num_embeddings=config.output_vocab_size,
-          features=config.emb_dim,
-          embedding_init=nn.with_logical_partitioning(
-              nn.initializers.normal(stddev=1.0), ('vocab', 'embed')
-          ),
+        num_embeddings=config.output_vocab_size,
+        features=config.emb_dim,
+        embedding_init=nn.with_logical_partitioning(
+          nn.initializers.normal(stddev=1.0), ("vocab", "embed")
+        ),
       )
     else:
       output_embed = self.shared_embedding
 
-    y = inputs.astype('int32')
+    y = inputs.astype("int32")
     if not config.decode:
       y = shift_inputs(y, segment_ids=inputs_segmentation)
     y = output_embed(y)
-    y = AddPositionEmbs(
-        config=config, decode=config.decode, name='posembed_output'
-    )(y, inputs_positions=inputs_positions)
-    y = nn.Dropout(rate=config.dropout_rate)(
-        y, deterministic=config.deterministic
+    y = AddPositionEmbs(config=config, decode=config.decode, name="posembed_output")(
+      y, inputs_positions=inputs_positions
     )
+    y = nn.Dropout(rate=config.dropout_rate)(y, deterministic=config.deterministic)
 
     y = y.astype(config.dtype)
 
     # Target-Input Decoder
     for lyr in range(config.num_layers):
-      y = EncoderDecoder1DBlock(
-          config=config, name=f'encoderdecoderblock_{lyr}'
-      )(y, decoder_mask=decoder_mask, encoder_decoder_mask=encoder_decoder_mask)
+      y = EncoderDecoder1DBlock(config=config, name=f"encoderdecoderblock_{lyr}")(
+        y, decoder_mask=decoder_mask, encoder_decoder_mask=encoder_decoder_mask
+      )
     y = nn.LayerNorm(
-        dtype=config.dtype,
-        name='encoderdecoder_norm',
-        bias_init=nn.with_logical_partitioning(
-            nn.initializers.zeros, ('embed',)
-        ),
-        scale_init=nn.with_logical_partitioning(
-            nn.initializers.ones, ('embed',)
-        ),
+      dtype=config.dtype,
+      name="encoderdecoder_norm",
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
     )(y)
 
     # Decoded Logits
@@ -367,13 +331,11 @@ class Decoder(nn.Module):
       logits = logits / jnp.sqrt(y.shape[-1])
     else:
       logits = nn.Dense(
-          config.output_vocab_size,
-          dtype=config.dtype,
-          kernel_init=nn.with_logical_partitioning(
-              config.kernel_init, ('embed', 'vocab')
-          ),
-          bias_init=nn.with_logical_partitioning(config.bias_init, ('vocab',)),
-          name='logitdense',
+        config.output_vocab_size,
+        dtype=config.dtype,
+        kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "vocab")),
+        bias_init=nn.with_logical_partitioning(config.bias_init, ("vocab",)),
+        name="logitdense",
       )(y)
     return logits
 
@@ -407,27 +369,27 @@ class TransformerLM(nn.Module):
       decoder_mask = None
     else:
       decoder_mask = nn.combine_masks(
-          nn.make_attention_mask(inputs > 0, inputs > 0, dtype=config.dtype),
-          nn.make_causal_mask(inputs, dtype=config.dtype),
+        nn.make_attention_mask(inputs > 0, inputs > 0, dtype=config.dtype),
+        nn.make_causal_mask(inputs, dtype=config.dtype),
       )
 
     # Add segmentation block-diagonal attention masks if using segmented data.
     if inputs_segmentation is not None:
       decoder_mask = nn.combine_masks(
-          decoder_mask,
-          nn.make_attention_mask(
-              inputs_segmentation,
-              inputs_segmentation,
-              jnp.equal,
-              dtype=config.dtype,
-          ),
+        decoder_mask,
+        nn.make_attention_mask(
+          inputs_segmentation,
+          inputs_segmentation,
+          jnp.equal,
+          dtype=config.dtype,
+        ),
       )
 
-    logits = Decoder(config=config, shared_embedding=None, name='decoder')(
-        inputs,
-        inputs_positions=inputs_positions,
-        inputs_segmentation=inputs_segmentation,
-        decoder_mask=decoder_mask,
-        encoder_decoder_mask=None,
+    logits = Decoder(config=config, shared_embedding=None, name="decoder")(
+      inputs,
+      inputs_positions=inputs_positions,
+      inputs_segmentation=inputs_segmentation,
+      decoder_mask=decoder_mask,
+      encoder_decoder_mask=None,
     )
     return logits.astype(self.config.dtype)

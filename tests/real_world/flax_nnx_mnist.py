@@ -29,7 +29,6 @@ import optax
 
 
 class CNN(nnx.Module):
-
   def __init__(self, rngs: nnx.Rngs):
     self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
     self.batch_norm1 = nnx.BatchNorm(32, rngs=rngs)
@@ -51,9 +50,9 @@ class CNN(nnx.Module):
 
 
 def loss_fn(model: CNN, batch, rngs):
-  logits = model(batch['image'], rngs)
+  logits = model(batch["image"], rngs)
   loss = optax.softmax_cross_entropy_with_integer_labels(
-    logits=logits, labels=batch['label']
+    logits=logits, labels=batch["label"]
   ).mean()
   return loss, logits
 
@@ -62,4 +61,4 @@ def get_fake_batch(batch_size: int) -> dict[str, Any]:
   rng = jax.random.PRNGKey(0)
   images = jax.random.normal(rng, (batch_size, 28, 28, 1), jnp.float32)
   labels = jax.random.randint(rng, (batch_size,), 0, 10, jnp.int32)
-  return {'image': images, 'label': labels}
+  return {"image": images, "label": labels}

@@ -7,49 +7,117 @@ names the torch ops it realises; ``docs/coverage.md`` lists every op of the refe
 
 import jax.numpy as jnp
 
-from jaxamp._src.policy import Category, Row, Table, op_rows, register_table
+from jaxamp._src import compat
+from jaxamp._src.table import Category, Row, Table, Variant, op_rows
 from jaxamp._src.tables import shared
+
+p = compat.primitives
 
 L, F, P, N = Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.NATIVE
 
 ROWS = (
-    # --- float16 ---------------------------------------------------------------------------------
-    Row(("addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "multi_dot",
-         "linear", "matmul", "mm", "mv", "GRUCell", "LSTMCell", "RNNCell"),
-        L, primitives=("dot_general",)),
-    *shared.GROUPED_MATMUL,
-    Row(("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
-        L, primitives=("conv_general_dilated",)),
-    # --- float32: primitives ---------------------------------------------------------------------
-    Row(("__pow__", "__rpow__", "pow"), F, primitives=("pow", "integer_pow", "square")),
-    Row(("__rdiv__", "__rtruediv__", "reciprocal"), F, primitives=("div[rdiv]",)),
-    Row(("exp",), F, primitives=("exp",)),
-    Row(("log",), F, primitives=("log",)),
-    Row(("rsqrt",), F, primitives=("rsqrt",)),
-    Row(("sum",), F, primitives=("reduce_sum",), ops=("sum",)),
-    Row(("cumsum",), F, primitives=("cumsum",), ops=("cumsum",)),
-    # --- float32: composites ---------------------------------------------------------------------
-    *op_rows(F, "softmax", "softmin", "log_softmax", "layer_norm", "group_norm", "normalize",
-             "dist", "cosine_similarity", "binary_cross_entropy_with_logits", "nll_loss", "kl_div",
-             "l1_loss", "poisson_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss",
-             "margin_ranking_loss", "soft_margin_loss", "triplet_margin_loss"),
-    # torch 2.13 registers rms_norm for AutocastXPU beside layer_norm (not in the reference doc).
-    Row(("rms_norm",), F, ops=("rms_norm",)),
-    # --- promote to the widest input type -------------------------------------------------------
-    Row(("bilinear", "cross", "tensordot"), P, ops=("bilinear", "cross", "tensordot")),
-    # A 1-D by 1-D dot_general is torch's dot / vdot, which XPU leaves unlisted.
-    Row(("dot", "vdot"), N, primitives=("dot_general[vector]",)),
-    Row(("scatter_add",), P, primitives=("scatter-add", "scatter_add")),
-    Row(("index_put",), P, primitives=("scatter",)),
-    *shared.LINALG_IN_FLOAT32,
-    *shared.COMPLEX_IN_FLOAT32,
-    *shared.ACCUMULATING_KERNELS,
-    Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
-    # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
-    Row(("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu", "softplus", "norm",
-         "pdist", "renorm"), N,
-        ops=("gelu", "silu", "elu", "celu", "selu", "log_sigmoid", "mish", "glu", "softplus",
-             "norm", "pdist", "renorm")),
+  # --- float16 ---------------------------------------------------------------------------------
+  Row(
+    (
+      "addbmm",
+      "addmm",
+      "addmv",
+      "addr",
+      "baddbmm",
+      "bmm",
+      "chain_matmul",
+      "multi_dot",
+      "linear",
+      "matmul",
+      "mm",
+      "mv",
+      "GRUCell",
+      "LSTMCell",
+      "RNNCell",
+    ),
+    L,
+    primitives=(p.dot_general_p,),
+  ),
+  *shared.GROUPED_MATMUL,
+  Row(
+    ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
+    L,
+    primitives=(p.conv_general_dilated_p,),
+  ),
+  # --- float32: primitives ---------------------------------------------------------------------
+  Row(("__pow__", "__rpow__", "pow"), F, primitives=(p.pow_p, p.integer_pow_p, p.square_p)),
+  Row(("__rdiv__", "__rtruediv__", "reciprocal"), F, primitives=(Variant(p.div_p, "rdiv"),)),
+  Row(("exp",), F, primitives=(p.exp_p,)),
+  Row(("log",), F, primitives=(p.log_p,)),
+  Row(("rsqrt",), F, primitives=(p.rsqrt_p,)),
+  Row(("sum",), F, primitives=(p.reduce_sum_p,), ops=("sum",)),
+  Row(("cumsum",), F, primitives=(p.cumsum_p,), ops=("cumsum",)),
+  # --- float32: composites ---------------------------------------------------------------------
+  *op_rows(
+    F,
+    "softmax",
+    "softmin",
+    "log_softmax",
+    "layer_norm",
+    "group_norm",
+    "normalize",
+    "dist",
+    "cosine_similarity",
+    "binary_cross_entropy_with_logits",
+    "nll_loss",
+    "kl_div",
+    "l1_loss",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "hinge_embedding_loss",
+    "margin_ranking_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+  ),
+  # torch 2.13 registers rms_norm for AutocastXPU beside layer_norm (not in the reference doc).
+  Row(("rms_norm",), F, ops=("rms_norm",)),
+  # --- promote to the widest input type -------------------------------------------------------
+  Row(("bilinear", "cross", "tensordot"), P, ops=("bilinear", "cross", "tensordot")),
+  # A 1-D by 1-D dot_general is torch's dot / vdot, which XPU leaves unlisted.
+  Row(("dot", "vdot"), N, primitives=(Variant(p.dot_general_p, "vector"),)),
+  Row(("scatter_add",), P, primitives=(p.scatter_add_p,)),
+  Row(("index_put",), P, primitives=(p.scatter_p,)),
+  *shared.LINALG_IN_FLOAT32,
+  *shared.COMPLEX_IN_FLOAT32,
+  *shared.ACCUMULATING_KERNELS,
+  Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
+  # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
+  Row(
+    (
+      "gelu",
+      "silu",
+      "elu",
+      "celu",
+      "selu",
+      "logsigmoid",
+      "mish",
+      "glu",
+      "softplus",
+      "norm",
+      "pdist",
+      "renorm",
+    ),
+    N,
+    ops=(
+      "gelu",
+      "silu",
+      "elu",
+      "celu",
+      "selu",
+      "log_sigmoid",
+      "mish",
+      "glu",
+      "softplus",
+      "norm",
+      "pdist",
+      "renorm",
+    ),
+  ),
 )
 
-TABLE = register_table(Table("xpu", jnp.dtype(jnp.float16), ROWS))
+TABLE = Table("xpu", jnp.dtype(jnp.float16), ROWS)

@@ -1,0 +1,426 @@
+"""The cast rules: one function per category and per special case, in registries.
+
+Every rule takes ``(eqn, env, ctx)`` and returns an ``Applied``: the eqn's outputs, the
+``Ruling`` that says which rule decided (``explain`` reads it as data), and the values the
+primitive was bound on. The interpreter only dispatches:
+
+* ``kept`` for eqns in kept regions (an inner autocast, ``autocast_disabled()``);
+* ``IN_OP_RULES`` (by primitive) or ``op_entry`` for eqns inside an op call: the values entering
+  the call are cast by the op's category, and inside it everything runs natively;
+* ``traced_dtypes`` for dtype-sensitive and unknown primitives (``keeps_dtypes``);
+* ``PRIMITIVE_RULES`` (by primitive) or ``by_category`` for every other eqn, casting by the
+  category the policy table gives the primitive (``CAST_TARGETS``).
+
+Higher-order primitives have their own registry (``higher_order.RULES``), handed to the
+interpreter in its ``Context``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._src import casting, compat, op_calls
+from jaxamp._src.policy import Policy
+from jaxamp._src.table import LOW_DTYPES, NO_16_BIT_KERNELS, Category
+
+if TYPE_CHECKING:
+  from jaxamp._src.interpreter import Context, Env
+
+p = compat.primitives
+
+
+class Ruling(NamedTuple):
+  """Which rule decided an eqn's dtypes.
+
+  Attributes:
+    rule: the rule's name: a key of ``DESCRIPTIONS``.
+    category: the category applied, where one was.
+    op: the op region the eqn belongs to, for eqns inside an op call.
+  """
+
+  rule: str
+  category: Category | None = None
+  op: str | None = None
+
+  def describe(self) -> str:
+    """One line for ``explain``'s table: "lower", "op softmax: float32", "kept", ..."""
+    if self.rule == "category":
+      return self.category.value
+    if self.rule == "op":
+      return f"op {self.op}: {self.category.value}"
+    return DESCRIPTIONS[self.rule]
+
+
+DESCRIPTIONS = {
+  "kept": "kept",
+  "traced dtypes": "traced dtypes (unknown or dtype-sensitive primitive)",
+  "higher-order": "higher-order: body rewritten",
+  "weak scalar": "native: a Python scalar follows the other operand",
+  "bias add": "lower: bias add of a low-precision dot/conv",
+}
+
+
+class Applied(NamedTuple):
+  """What a rule did: the outputs, its ruling and the values the primitive was bound on."""
+
+  outs: list[Any]
+  ruling: Ruling
+  ran_on: list[Any]
+
+
+Rule = Callable[["Any", "Env", "Context"], Applied]
+
+# --- which primitives keep their traced dtypes ---------------------------------------------------
+
+# Primitives whose meaning depends on their input dtypes: they always get the traced ones back.
+KEEP_DTYPES = frozenset(
+  {
+    p.bitcast_convert_type_p,
+    p.reduce_p,
+    p.reduce_window_p,
+    p.select_and_scatter_p,
+    p.select_and_gather_add_p,
+    p.pure_callback_p,
+    p.io_callback_p,
+    p.ffi_call_p,
+    p.run_state_p,
+  }
+)
+# The same for primitives of optional backends JAX exports no object for (Pallas, Mosaic).
+KEEP_DTYPES_BY_NAME = frozenset({"pallas_call", "mosaic_gpu_call", "tpu_custom_call"})
+
+# Primitives with a scalar combiner jaxpr typed like the operand, re-typed after a cast.
+COMBINER_PARAM = {
+  p.scatter_add_p: "update_jaxpr",
+  p.scatter_mul_p: "update_jaxpr",
+  p.scatter_min_p: "update_jaxpr",
+  p.scatter_max_p: "update_jaxpr",
+  p.scatter_p: "update_jaxpr",
+}
+
+# Primitives that compute in the low dtype: their outputs are ``lowered`` (a bias added to them
+# stays low), and inside a LOWER op everything they read is cast.
+MATMULS = frozenset({p.dot_general_p, p.conv_general_dilated_p, p.ragged_dot_general_p})
+
+
+def keeps_dtypes(eqn, higher_order: Any) -> bool:
+  """Listed primitives, and unknown ones carrying jaxprs, callables or avals, keep their dtypes
+  (``higher_order``: the primitives with rules of their own, which do not)."""
+  if eqn.primitive in KEEP_DTYPES or eqn.primitive.name in KEEP_DTYPES_BY_NAME:
+    return True
+  if eqn.primitive in COMBINER_PARAM or eqn.primitive in higher_order:
+    return False
+  return any(
+    compat.is_typed_param(item)
+    for value in eqn.params.values()
+    for item in (value if isinstance(value, tuple | list) else (value,))
+  )
+
+
+# --- the categories ------------------------------------------------------------------------------
+
+# A category's cast target: (the eqn's atoms, which of them to cast, env, policy) -> the dtype
+# the selected eligible floats are cast to, or None to run on the incoming dtypes.
+CastTarget = Callable[[Sequence[Any], Sequence[bool], "Env", Policy], np.dtype | None]
+
+
+def _lower_target(atoms, floats, env, policy) -> np.dtype | None:
+  if any(
+    not casting.is_eligible(env.dtype(a)) and jnp.issubdtype(env.dtype(a), jnp.floating)
+    for a in atoms
+  ):
+    return None  # float64 operands: not eligible, as in torch
+  return policy.dtype
+
+
+def _float32_target(atoms, floats, env, policy) -> np.dtype:
+  return jnp.dtype(jnp.float32)
+
+
+def _promote_target(atoms, floats, env, policy) -> np.dtype | None:
+  strong = [
+    env.dtype(a)
+    for a, f in zip(atoms, floats, strict=True)
+    if f and not env.facts.is_weak(a, env.read(a))
+  ]
+  return casting.widest(strong) if strong else None
+
+
+def _native_target(atoms, floats, env, policy) -> None:
+  return None
+
+
+CAST_TARGETS: dict[Category, CastTarget] = {
+  Category.LOWER: _lower_target,
+  Category.FLOAT32: _float32_target,
+  Category.FLOAT32_INSIDE: _float32_target,
+  Category.PROMOTE: _promote_target,
+  Category.NATIVE: _native_target,
+  Category.FORBIDDEN: _native_target,  # raised on entering the op (``op_entry``)
+}
+
+
+def cast_inputs(
+  category: Category,
+  eqn,
+  env: Env,
+  policy: Policy,
+  select: Sequence[bool] | None = None,
+  cast_to: np.dtype | None = None,
+) -> list:
+  """The eqn's input values, the selected eligible floating ones cast as ``category`` says
+  (to ``cast_to`` whatever the category, when given)."""
+  atoms = eqn.invars
+  select = [True] * len(atoms) if select is None else select
+  floats = [s and casting.is_eligible(env.dtype(a)) for a, s in zip(atoms, select, strict=True)]
+  target = cast_to if cast_to is not None else CAST_TARGETS[category](atoms, floats, env, policy)
+  if target is None:
+    return [env.read(a) for a in atoms]
+  return [env.cast(a, target) if f else env.read(a) for a, f in zip(atoms, floats, strict=True)]
+
+
+def primitive_category(eqn, policy: Policy) -> Category:
+  """The category the policy table gives the eqn's primitive (or its variant, if listed)."""
+  return policy.primitive_category(eqn.primitive, _variant(eqn))
+
+
+def _variant(eqn) -> str | None:
+  """A finer key for primitives whose torch op depends on how they are used."""
+  primitive = eqn.primitive
+  if primitive is p.div_p:
+    numerator = eqn.invars[0]
+    if not numerator.aval.shape and (compat.is_literal(numerator) or numerator.aval.weak_type):
+      return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
+  if primitive is p.dot_general_p and all(atom.aval.ndim == 1 for atom in eqn.invars):
+    return "vector"  # vector . vector: torch's dot / vdot, not mm
+  if primitive in (p.reduce_window_sum_p, p.reduce_window_max_p) and eqn.invars[0].aval.ndim == 5:
+    return "3d"  # (N, D, H, W, C) pooling: torch's avg_pool3d / max_pool3d
+  return None
+
+
+# --- rules for eqns outside op calls -------------------------------------------------------------
+
+
+def kept(eqn, env: Env, ctx: Context) -> Applied:
+  """A kept region's eqn runs as written: on its inputs in their traced dtypes."""
+  return traced_dtypes(eqn, env, ctx, Ruling("kept"))
+
+
+def traced_dtypes(eqn, env: Env, ctx: Context, ruling: Ruling | None = None) -> Applied:
+  """Binds ``eqn`` on its inputs cast back to the dtypes they had when traced."""
+  invals = [
+    env.cast(a, a.aval.dtype) if casting.is_eligible(a.aval.dtype) else env.read(a)
+    for a in eqn.invars
+  ]
+  return Applied(env.bind(eqn, invals), ruling or Ruling("traced dtypes"), invals)
+
+
+def by_category(eqn, env: Env, ctx: Context) -> Applied:
+  """Casts the eqn's inputs as its primitive's category says, and binds it natively."""
+  category = primitive_category(eqn, ctx.policy)
+  invals = cast_inputs(category, eqn, env, ctx.policy)
+  outs, ran_on = bind_native(eqn, env, ctx, invals)
+  if category is Category.LOWER and eqn.primitive in MATMULS:
+    env.facts.lowered.update(eqn.outvars)
+  env.facts.note_weak_flow(eqn)
+  return Applied(outs, Ruling("category", category), ran_on)
+
+
+def _convert(eqn, env: Env, ctx: Context) -> Applied:
+  """A Python scalar made concrete inside a jit (``jnp.where(x, y, 0.0)``, ``jnp.clip(x, 0)``):
+  the dtype it was traced to is its partner's, which autocast may change; it stays weak."""
+  source = eqn.invars[0]
+  if not env.facts.is_weak(source, env.read(source)):
+    return by_category(eqn, env, ctx)
+  env.facts.weak.update(eqn.outvars)
+  if eqn.params["new_dtype"] == source.aval.dtype:
+    value = env.read(source)
+    return Applied([value], Ruling("weak scalar"), [value])
+  return by_category(eqn, env, ctx)
+
+
+def _add(eqn, env: Env, ctx: Context) -> Applied:
+  """``dot_or_conv(x, W) + b`` runs in the dot's low dtype, as torch's ``linear(x, W, b)``,
+  ``addmm``, ``addmv`` and ``conv`` with a bias do.
+
+  ``b`` is a bias when it is a parameter or constant (``Provenance.is_parameter``), whatever its
+  rank: flax's ``Dense`` (a broadcast vector), Equinox's ``Linear`` (``W @ x + b``) and
+  ``Conv2d`` (a ``(C, 1, 1)`` bias), under ``vmap`` too (layout changes in between keep the
+  dot's output). A computed addend is a residual (``h + linear(x)``) and promotes, as in torch.
+  """
+  a, b = eqn.invars
+  if (
+    primitive_category(eqn, ctx.policy) is not Category.NATIVE
+    or compat.is_literal(a)
+    or compat.is_literal(b)
+  ):
+    return by_category(eqn, env, ctx)
+  for out, bias in ((a, b), (b, a)):
+    if out in env.facts.lowered and env.facts.is_parameter(bias):
+      out_dtype, bias_dtype = env.dtype(out), env.dtype(bias)
+      if out_dtype != bias_dtype and casting.is_eligible(bias_dtype):
+        values = {out: env.read(out), bias: env.cast(bias, out_dtype)}
+        invals = [values[a], values[b]]
+        return Applied(env.bind(eqn, invals), Ruling("bias add", Category.LOWER), invals)
+  return by_category(eqn, env, ctx)
+
+
+# Special cases outside op calls, by primitive; every other primitive is ``by_category``.
+PRIMITIVE_RULES: dict[Any, Rule] = {
+  p.convert_element_type_p: _convert,
+  p.add_p: _add,
+}
+
+
+# --- rules for eqns inside an op call ------------------------------------------------------------
+
+
+def op_entry(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
+  """Values entering the op are cast by its category; inside, everything runs natively."""
+  entering = [not compat.is_literal(a) and env.region.get(a) != call.instance for a in eqn.invars]
+  invals = cast_inputs(
+    call.category, eqn, env, ctx.policy, select=entering, cast_to=call.region.cast_to
+  )
+  return _bind_in_op(eqn, env, ctx, call, invals)
+
+
+def _bind_in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall, invals: list) -> Applied:
+  outs, ran_on = bind_native(eqn, env, ctx._replace(op=call.region), invals)
+  return Applied(outs, op_ruling(call), ran_on)
+
+
+def op_ruling(call: op_calls.OpCall) -> Ruling:
+  return Ruling("op", call.category, call.region.name)
+
+
+def _convert_in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
+  """Inside a float32 op, the library's own casts (``jnp.sum``'s upcast-then-restore, an
+  identity matrix made in the input's dtype) stay in float32; the caller's explicit 16-bit
+  ``dtype=`` is kept."""
+  new_dtype = eqn.params["new_dtype"]
+  if (
+    call.category not in (Category.FLOAT32, Category.FLOAT32_INSIDE)
+    or call.region.cast_to is not None
+    or not casting.is_eligible(new_dtype)
+  ):
+    return op_entry(eqn, env, ctx, call)
+  target = new_dtype if _is_explicit_dtype(eqn, env, call.instance) else jnp.dtype(jnp.float32)
+  source = eqn.invars[0]
+  return Applied([env.cast(source, target)], op_ruling(call), [env.read(source)])
+
+
+def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
+  """Whether a cast inside a float32 op is the caller's ``dtype=``: a narrowing cast of a value
+  entering the op (``jnp.sum(x, dtype=jnp.float16)``), not the op's own restoring cast."""
+  source = eqn.invars[0]
+  if (
+    compat.is_literal(source)
+    or eqn.params["new_dtype"] not in LOW_DTYPES
+    or source.aval.dtype != jnp.float32
+  ):
+    return False
+  return env.region.get(env.facts.root(source)) != instance
+
+
+def _matmul_in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
+  """A low-precision op's own products run low too, not only what enters it."""
+  if call.category is not Category.LOWER:
+    return op_entry(eqn, env, ctx, call)
+  invals = cast_inputs(call.category, eqn, env, ctx.policy, cast_to=call.region.cast_to)
+  return _bind_in_op(eqn, env, ctx, call, invals)
+
+
+def _no_16_bit_kernel_in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
+  """Linear algebra runs in float32 inside any op too (svd inside ``jnp.linalg.norm``): it has
+  no 16-bit kernel."""
+  if call.region.cast_to is not None or primitive_category(eqn, ctx.policy) is not Category.FLOAT32:
+    return op_entry(eqn, env, ctx, call)
+  invals = cast_inputs(Category.FLOAT32, eqn, env, ctx.policy)
+  return _bind_in_op(eqn, env, ctx, call, invals)
+
+
+InOpRule = Callable[["Any", "Env", "Context", op_calls.OpCall], Applied]
+
+# Special cases inside op calls, by primitive; every other primitive is ``op_entry``.
+IN_OP_RULES: dict[Any, InOpRule] = {
+  p.convert_element_type_p: _convert_in_op,
+  **dict.fromkeys(MATMULS, _matmul_in_op),
+  **dict.fromkeys(NO_16_BIT_KERNELS, _no_16_bit_kernel_in_op),
+}
+
+
+# --- binding -------------------------------------------------------------------------------------
+
+
+def bind_native(eqn, env: Env, ctx: Context, invals: list) -> tuple[list, list]:
+  """Binds with inputs that were equal-typed when traced made equal again (widest wins).
+
+  Returns the outputs and the values bound on.
+  """
+  higher_order = ctx.rules.higher_order.get(eqn.primitive)
+  if higher_order is not None:
+    return higher_order(eqn, invals, env, ctx), invals
+  invals = _equalize(eqn, invals, env)
+  params = _result_type_params(eqn, invals) or dict(eqn.params)
+  combiner = COMBINER_PARAM.get(eqn.primitive)
+  if combiner and params.get(combiner) is not None:
+    operand_dtype = compat.typeof(invals[0]).dtype
+    if operand_dtype != eqn.invars[0].aval.dtype:
+      params[combiner] = _retype_combiner(
+        params[combiner], params.get("update_consts", ()), operand_dtype
+      )
+  return env.bind(eqn, invals, params), invals
+
+
+def _equalize(eqn, invals: list, env: Env) -> list:
+  groups: dict[np.dtype, list[int]] = {}
+  for i, atom in enumerate(eqn.invars):
+    traced = atom.aval.dtype
+    if casting.is_eligible(traced) and casting.is_eligible(compat.typeof(invals[i]).dtype):
+      groups.setdefault(traced, []).append(i)
+  invals = list(invals)
+  for members in groups.values():
+    dtypes = {compat.typeof(invals[i]).dtype for i in members}
+    if len(dtypes) < 2:
+      continue
+    weak = {i: env.facts.is_weak(eqn.invars[i], invals[i]) for i in members}
+    refs = [compat.typeof(invals[i]).dtype for i in members if compat.is_ref(invals[i])]
+    strong = [compat.typeof(invals[i]).dtype for i in members if not weak[i]]
+    # A Ref keeps its dtype: what is stored into it is cast instead.
+    target = refs[0] if refs else casting.widest(strong or sorted(dtypes, key=str))
+    for i in members:
+      if compat.typeof(invals[i]).dtype == target:
+        continue
+      atom = eqn.invars[i]
+      if not compat.is_literal(atom) and invals[i] is env.read(atom):
+        invals[i] = env.cast(atom, target)  # cached, and a fill is made in the target dtype
+      else:
+        invals[i] = env.casts.convert(invals[i], target, saturate=weak[i])
+  return invals
+
+
+def _result_type_params(eqn, invals) -> dict | None:
+  """dot/conv params whose result dtype follows the new inputs, unless the caller fixed it.
+
+  ``preferred_element_type`` equal to the traced inputs' dtype is JAX's default and follows the
+  inputs; any other value was chosen explicitly and is kept.
+  """
+  if eqn.primitive not in MATMULS:
+    return None
+  preferred = eqn.params.get("preferred_element_type")
+  traced_inputs = casting.widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
+  new_inputs = casting.widest([compat.typeof(v).dtype for v in invals])
+  if preferred is None or jnp.dtype(preferred) != traced_inputs or new_inputs == traced_inputs:
+    return None
+  return dict(eqn.params, preferred_element_type=new_inputs)
+
+
+def _retype_combiner(jaxpr, consts, dtype) -> Any:
+  """A scalar combiner jaxpr (e.g. scatter-add's ``add``) re-traced for ``dtype`` operands."""
+  closed = compat.ClosedJaxpr(jaxpr, list(consts))
+  avals = [compat.aval_with_dtype(v.aval, dtype) for v in jaxpr.invars]
+  return compat.trace(compat.jaxpr_as_fun(closed), avals).jaxpr
