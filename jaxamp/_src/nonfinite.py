@@ -57,15 +57,8 @@ class LeafStats(NamedTuple):
   max_finite: jax.Array
   size: jax.Array
 
-  @property
-  def inf(self) -> jax.Array:
-    """The number of +Inf and -Inf values."""
-    return _saturating_add(self.posinf, self.neginf)
-
-  @property
-  def nonfinite(self) -> jax.Array:
-    """The number of NaN, +Inf and -Inf values."""
-    return _saturating_add(self.nan, self.inf)
+  inf = property(lambda self: _inf(self), doc="The number of +Inf and -Inf values.")
+  nonfinite = property(lambda self: _nonfinite(self), doc="The number of NaN, +Inf, -Inf values.")
 
 
 @jax.tree_util.register_static
@@ -141,15 +134,8 @@ class NonfiniteReport(NamedTuple):
     """The ``LeafStats`` of the leaf ``paths[index]``."""
     return LeafStats(*(field[..., index] for field in self.per_leaf))
 
-  @property
-  def inf(self) -> jax.Array:
-    """+Inf and -Inf values over all leaves (saturating)."""
-    return _saturating_add(self.posinf, self.neginf)
-
-  @property
-  def nonfinite(self) -> jax.Array:
-    """NaN, +Inf and -Inf values over all leaves (saturating)."""
-    return _saturating_add(self.nan, self.inf)
+  inf = property(lambda self: _inf(self), doc="+Inf and -Inf values over all leaves (saturating).")
+  nonfinite = property(lambda self: _nonfinite(self), doc="NaN, +Inf and -Inf values (saturating).")
 
   @property
   def any_nonfinite(self) -> jax.Array:
@@ -310,6 +296,16 @@ def _reduce_stats(x: jax.Array, axis: int) -> tuple[jax.Array, ...]:
 
 def _add_counts_max_finite(a: tuple, b: tuple) -> tuple:
   return a[0] + b[0], a[1] + b[1], a[2] + b[2], jnp.maximum(a[3], b[3])
+
+
+def _inf(counts: LeafStats | NonfiniteReport) -> jax.Array:
+  """The +Inf and -Inf values of ``counts`` (saturating)."""
+  return _saturating_add(counts.posinf, counts.neginf)
+
+
+def _nonfinite(counts: LeafStats | NonfiniteReport) -> jax.Array:
+  """The NaN, +Inf and -Inf values of ``counts`` (saturating)."""
+  return _saturating_add(counts.nan, _inf(counts))
 
 
 def _saturating_add(a: Any, b: Any) -> jax.Array:
