@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -142,29 +142,64 @@ def is_array(x: Any) -> bool:
   return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
+class Traced(NamedTuple):
+  """``fun``'s jaxpr for some arguments, and how its inputs and outputs map to pytrees.
+
+  Attributes:
+    jaxpr: the closed jaxpr, taking the array arguments.
+    arrays: the array leaves of the arguments, in order.
+    in_tree: the treedef of ``(args, kwargs)``.
+    dynamic: the positions of the array leaves among the argument leaves.
+    in_avals: the avals of ``arrays``.
+    out_tree: the treedef of the outputs.
+    static_outs: the output leaves, ``_TRACED`` where a jaxpr output goes.
+  """
+
+  jaxpr: compat.ClosedJaxpr
+  arrays: list
+  in_tree: Any
+  dynamic: tuple
+  in_avals: tuple
+  out_tree: Any
+  static_outs: list
+
+
+def trace(fun: Callable, args: tuple, kwargs: dict) -> Traced:
+  """``fun`` traced for ``args`` and ``kwargs``: arrays abstracted, other leaves static (cached
+  per signature, see ``_trace``)."""
+  leaves, in_tree = jax.tree.flatten((args, kwargs))
+  dynamic = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
+  static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not is_array(leaf))
+  arrays = [leaves[i] for i in dynamic]
+  in_avals = tuple(compat.typeof(x) for x in arrays)
+  closed, (out_tree, static_outs) = _trace(fun, in_tree, dynamic, static, in_avals)
+  return Traced(closed, arrays, in_tree, dynamic, in_avals, out_tree, static_outs)
+
+
 def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> Any:
   """Calls ``fun`` on ``args`` and ``kwargs`` with ``settings``' autocast.
 
   Outputs leave in the dtype the policy produced, except state threaded through (see
   ``_state_outputs``), which leaves in its traced dtype.
   """
-  leaves, in_tree = jax.tree.flatten((args, kwargs))
-  dynamic = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
-  static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not is_array(leaf))
-  arrays = [leaves[i] for i in dynamic]
-  in_avals = tuple(compat.typeof(x) for x in arrays)
-  closed, (out_tree, static_outs) = _trace(fun, in_tree, tuple(dynamic), static, in_avals)
+  traced = trace(fun, args, kwargs)
+  closed = traced.jaxpr
   ctx = interpreter.Context(settings, higher_order.RULES)
-  outs = interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx)
-  traced = tuple(leaf is _TRACED for leaf in static_outs)
+  outs = interpreter.evaluate(closed.jaxpr, closed.consts, traced.arrays, ctx)
+  is_traced = tuple(leaf is _TRACED for leaf in traced.static_outs)
   for i, dtype in _state_outputs(
-    in_tree, tuple(dynamic), in_avals, out_tree, traced, tuple(closed.out_avals)
+    traced.in_tree,
+    traced.dynamic,
+    traced.in_avals,
+    traced.out_tree,
+    is_traced,
+    tuple(closed.out_avals),
   ):
     if getattr(outs[i], "dtype", None) != dtype:
       outs[i] = jax.lax.convert_element_type(outs[i], dtype)
   outs = iter(outs)
   return jax.tree.unflatten(
-    out_tree, [next(outs) if leaf is _TRACED else leaf for leaf in static_outs]
+    traced.out_tree, [next(outs) if leaf is _TRACED else leaf for leaf in traced.static_outs]
   )
 
 

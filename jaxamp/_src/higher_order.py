@@ -52,17 +52,17 @@ def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
   return tuple(avals)
 
 
-def _weak_inputs(eqn, env: Env) -> list[bool]:
+def weak_inputs(eqn, env: Env) -> list[bool]:
   """Which inputs are fills or converted Python scalars (``Provenance.weak``) outside."""
   return [not compat.is_literal(a) and a in env.facts.weak for a in eqn.invars]
 
 
-def _computed_inputs(env: Env, atoms) -> tuple[bool, ...]:
+def computed_inputs(env: Env, atoms) -> tuple[bool, ...]:
   """Which of ``atoms`` are activations computed outside the body (``is_computed``)."""
   return tuple(env.facts.is_computed(a) for a in atoms)
 
 
-def _cast_value(value, dtype):
+def cast_value(value, dtype):
   if dtype is None or compat.typeof(value).dtype == dtype:
     return value
   return lax.convert_element_type(value, dtype)
@@ -138,7 +138,7 @@ def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed):
   outs = evaluate(jaxpr, consts, args, ctx, env=env, computed=computed)
   if out_dtypes is None:
     return outs
-  return [_cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
+  return [cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
 
 
 def sub_path(path: str, eqn, part: str = "") -> str:
@@ -150,11 +150,11 @@ def sub_path(path: str, eqn, part: str = "") -> str:
   return f"{path}/{label}" if path else label
 
 
-def _declared(atoms) -> tuple:
+def declared_dtypes(atoms) -> tuple:
   return tuple(jnp.dtype(a.aval.dtype) for a in atoms)
 
 
-def _restore(env: Env, atoms, values: list) -> list:
+def restore_carries(env: Env, atoms, values: list) -> list:
   """Values of ``atoms`` with their traced dtypes (for loop carries)."""
   return [
     env.cast(a, jnp.dtype(a.aval.dtype))
@@ -166,16 +166,16 @@ def _restore(env: Env, atoms, values: list) -> list:
 
 def _jit_rule(eqn, invals, env, ctx):
   closed = eqn.params["jaxpr"]
-  avals = body_avals(closed.jaxpr.invars, invals, _weak_inputs(eqn, env))
+  avals = body_avals(closed.jaxpr.invars, invals, weak_inputs(eqn, env))
   new, _ = rewrite(
     closed.jaxpr,
     closed.consts,
     avals,
     ctx,
     path=sub_path(env.path, eqn),
-    computed=_computed_inputs(env, eqn.invars),
+    computed=computed_inputs(env, eqn.invars),
   )
-  return env.bind(eqn, invals, dict(eqn.params, jaxpr=new))
+  return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 
 def _closed_call_rule(eqn, invals, env, ctx):
@@ -186,9 +186,9 @@ def _closed_call_rule(eqn, invals, env, ctx):
     body_avals(closed.jaxpr.invars, invals),
     ctx,
     path=sub_path(env.path, eqn),
-    computed=_computed_inputs(env, eqn.invars),
+    computed=computed_inputs(env, eqn.invars),
   )
-  return env.bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+  return compat.bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
 
 
 def _remat_rule(eqn, invals, env, ctx):
@@ -199,13 +199,13 @@ def _remat_rule(eqn, invals, env, ctx):
     body_avals(jaxpr.invars, invals),
     ctx,
     path=sub_path(env.path, eqn),
-    computed=_computed_inputs(env, eqn.invars),
+    computed=computed_inputs(env, eqn.invars),
   )
   body, consts = compat.open_jaxpr(new)
   prevent_cse = eqn.params["prevent_cse"]
   if isinstance(prevent_cse, tuple):
     prevent_cse = (False,) * len(consts) + prevent_cse
-  return env.bind(eqn, [*consts, *invals], dict(eqn.params, jaxpr=body, prevent_cse=prevent_cse))
+  return compat.bind(eqn, [*consts, *invals], dict(eqn.params, jaxpr=body, prevent_cse=prevent_cse))
 
 
 def _scan_rule(eqn, invals, env, ctx):
@@ -215,13 +215,13 @@ def _scan_rule(eqn, invals, env, ctx):
   carry_atoms = eqn.invars[n_consts : n_consts + n_carry]
   invals = [
     *invals[:n_consts],
-    *_restore(env, carry_atoms, invals[n_consts : n_consts + n_carry]),
+    *restore_carries(env, carry_atoms, invals[n_consts : n_consts + n_carry]),
     *invals[n_consts + n_carry :],
   ]
-  out_dtypes = _declared(closed.jaxpr.outvars[:n_carry]) + (None,) * (
+  out_dtypes = declared_dtypes(closed.jaxpr.outvars[:n_carry]) + (None,) * (
     len(closed.jaxpr.outvars) - n_carry
   )
-  computed = list(_computed_inputs(env, eqn.invars))
+  computed = list(computed_inputs(env, eqn.invars))
   computed[n_consts : n_consts + n_carry] = [True] * n_carry  # carries are computed by the body
   new, hoisted = rewrite(
     closed.jaxpr,
@@ -235,7 +235,7 @@ def _scan_rule(eqn, invals, env, ctx):
   )
   extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
   params = dict(p, jaxpr=new, num_consts=n_consts + len(extras))
-  return env.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], params)
+  return compat.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], params)
 
 
 def _while_rule(eqn, invals, env, ctx):
@@ -243,37 +243,37 @@ def _while_rule(eqn, invals, env, ctx):
   n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
   cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
   carry_atoms = eqn.invars[n_cond + n_body :]
-  carry = _restore(env, carry_atoms, invals[n_cond + n_body :])
+  carry = restore_carries(env, carry_atoms, invals[n_cond + n_body :])
   cond, body = p["cond_jaxpr"], p["body_jaxpr"]
   new_cond, _ = rewrite(
     cond.jaxpr,
     cond.consts,
     body_avals(cond.jaxpr.invars, [*cond_consts, *carry]),
     ctx,
-    _declared(cond.jaxpr.outvars),
+    declared_dtypes(cond.jaxpr.outvars),
     path=sub_path(env.path, eqn, "cond"),
   )
-  computed = _computed_inputs(env, eqn.invars[n_cond : n_cond + n_body]) + (True,) * len(carry)
+  computed = computed_inputs(env, eqn.invars[n_cond : n_cond + n_body]) + (True,) * len(carry)
   new_body, hoisted = rewrite(
     body.jaxpr,
     body.consts,
     body_avals(body.jaxpr.invars, [*body_consts, *carry]),
     ctx,
-    _declared(body.jaxpr.outvars),
+    declared_dtypes(body.jaxpr.outvars),
     hoist=n_body,
     path=sub_path(env.path, eqn, "body"),
     computed=computed,
   )
   extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
   params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body, body_nconsts=n_body + len(extras))
-  return env.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], params)
+  return compat.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], params)
 
 
 def _cond_rule(eqn, invals, env, ctx):
   branches = eqn.params["branches"]
   operands = invals[1:]
-  out_dtypes = _declared(branches[0].jaxpr.outvars)
-  computed = _computed_inputs(env, eqn.invars[1:])
+  out_dtypes = declared_dtypes(branches[0].jaxpr.outvars)
+  computed = computed_inputs(env, eqn.invars[1:])
   new = tuple(
     rewrite(
       b.jaxpr,
@@ -286,7 +286,7 @@ def _cond_rule(eqn, invals, env, ctx):
     )[0]
     for i, b in enumerate(branches)
   )
-  return env.bind(eqn, invals, dict(eqn.params, branches=new))
+  return compat.bind(eqn, invals, dict(eqn.params, branches=new))
 
 
 def _shard_map_rule(eqn, invals, env, ctx):
@@ -330,7 +330,7 @@ def _linear_solve_rule(eqn, invals, env, ctx):
         path=sub_path(env.path, eqn),
       )[0]
     )
-  return env.bind(eqn, invals, dict(eqn.params, jaxprs=type(jaxprs)(*new)))
+  return compat.bind(eqn, invals, dict(eqn.params, jaxprs=type(jaxprs)(*new)))
 
 
 # --- custom derivatives --------------------------------------------------------------------------
@@ -361,7 +361,7 @@ def _autocast_primal(eqn, invals, env, ctx) -> tuple[compat.ClosedJaxpr, list]:
     body_avals(call.jaxpr.invars, invals),
     ctx,
     path=sub_path(env.path, eqn),
-    computed=_computed_inputs(env, eqn.invars),
+    computed=computed_inputs(env, eqn.invars),
   )
   return body, [aval.dtype for aval in body.out_avals]
 

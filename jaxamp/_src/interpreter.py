@@ -142,9 +142,6 @@ class Env:
       self.casts.made[key] = converted
     return converted
 
-  def bind(self, eqn, invals: list, params: dict | None = None) -> list[Any]:
-    return compat.bind(eqn, invals, params)
-
 
 def evaluate(
   jaxpr,

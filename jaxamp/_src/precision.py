@@ -191,20 +191,15 @@ def precision_report(fun: Callable, *, device_type: str | None = None, dtype=Non
     raise TypeError(f"precision_report takes a callable; got {fun!r} of type {type(fun).__name__}.")
 
   def reported(*args, **kwargs) -> PrecisionReport:
-    leaves, in_tree = jax.tree.flatten((args, kwargs))
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
       raise TypeError(
         "precision_report evaluates the function on concrete arrays; call it outside jit, "
         "grad and vmap."
       )
-    dynamic = tuple(i for i, leaf in enumerate(leaves) if autocast_lib.is_array(leaf))
-    static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not autocast_lib.is_array(leaf))
-    arrays = [leaves[i] for i in dynamic]
-    in_avals = tuple(compat.typeof(x) for x in arrays)
     # Traced afresh (a new function is a new key of autocast's trace cache, dropped with it): a
     # helper redefined since the last call is seen.
-    fresh = lambda *a, **k: fun(*a, **k)
-    closed, _ = autocast_lib._trace(fresh, in_tree, dynamic, static, in_avals)
+    traced = autocast_lib.trace(lambda *a, **k: fun(*a, **k), args, kwargs)
+    closed, arrays = traced.jaxpr, traced.arrays
     run = _Run()
     _evaluate_as_written(run, closed.jaxpr, closed.consts, arrays, "")
     run.seen.clear()
@@ -337,19 +332,21 @@ def _autocast_rules(run: _Run) -> interpreter.Rules:
 
   def rule(eager):
     def apply(eqn, invals, env, ctx):
-      computed = list(higher_order._computed_inputs(env, eqn.invars))
+      computed = list(higher_order.computed_inputs(env, eqn.invars))
       # As the rules do: a jit's weak inputs stay weak inside, loop carries are computed.
-      weak = higher_order._weak_inputs(eqn, env) if eqn.primitive is prims.jit_p else ()
+      weak = higher_order.weak_inputs(eqn, env) if eqn.primitive is prims.jit_p else ()
       if eqn.primitive is prims.scan_p:
         n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
         carry = slice(n_consts, n_consts + n_carry)
         invals = list(invals)
-        invals[carry] = higher_order._restore(env, eqn.invars[carry], invals[carry])
+        invals[carry] = higher_order.restore_carries(env, eqn.invars[carry], invals[carry])
         computed[carry] = [True] * n_carry
       elif eqn.primitive is prims.while_p:
         n_consts = eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]
         invals = list(invals)
-        invals[n_consts:] = higher_order._restore(env, eqn.invars[n_consts:], invals[n_consts:])
+        invals[n_consts:] = higher_order.restore_carries(
+          env, eqn.invars[n_consts:], invals[n_consts:]
+        )
         computed[n_consts:] = [True] * (len(invals) - n_consts)
 
       def evaluate(body, consts, args, part, out_dtypes=None, inputs=None):
@@ -363,7 +360,7 @@ def _autocast_rules(run: _Run) -> interpreter.Rules:
         outs = interpreter.evaluate(body, consts, args, ctx, env=inner, computed=flags)
         if out_dtypes is None:
           return outs
-        return [higher_order._cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
+        return [higher_order.cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
 
       run.outer.append(eqn)
       try:
@@ -389,10 +386,6 @@ def _autocast_rules(run: _Run) -> interpreter.Rules:
 # indices of the eqn inputs its invars receive (for the autocast program's facts about them).
 
 
-def _declared(atoms) -> tuple:
-  return tuple(jnp.dtype(a.aval.dtype) for a in atoms)
-
-
 def _call(run, eqn, invals, evaluate, param: str) -> list:
   body = eqn.params[param]
   if isinstance(body, compat.ClosedJaxpr):
@@ -411,7 +404,7 @@ def _scan(run, eqn, invals, evaluate) -> list | None:
   consts = invals[:n_consts]
   carry = invals[n_consts : n_consts + n_carry]
   xs = invals[n_consts + n_carry :]
-  out_dtypes = _declared(body.jaxpr.outvars[:n_carry]) + (None,) * (
+  out_dtypes = higher_order.declared_dtypes(body.jaxpr.outvars[:n_carry]) + (None,) * (
     len(body.jaxpr.outvars) - n_carry
   )
   ys: list = [None] * length
@@ -449,7 +442,7 @@ def _while(run, eqn, invals, evaluate) -> list:
         cond.consts,
         [*cond_consts, *carry],
         "cond",
-        _declared(cond.jaxpr.outvars),
+        higher_order.declared_dtypes(cond.jaxpr.outvars),
       )
       if not bool(go):
         break
@@ -458,7 +451,7 @@ def _while(run, eqn, invals, evaluate) -> list:
         body.consts,
         [*body_consts, *carry],
         "body",
-        _declared(body.jaxpr.outvars),
+        higher_order.declared_dtypes(body.jaxpr.outvars),
         inputs=range(n_cond, n),
       )
     finally:
@@ -476,7 +469,7 @@ def _cond(run, eqn, invals, evaluate) -> list:
     branch.consts,
     invals[1:],
     f"branch{index}",
-    _declared(branches[0].jaxpr.outvars),
+    higher_order.declared_dtypes(branches[0].jaxpr.outvars),
     inputs=range(1, len(invals)),
   )
 

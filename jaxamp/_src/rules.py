@@ -216,7 +216,7 @@ def traced_dtypes(eqn, env: Env, ctx: Context, ruling: Ruling | None = None) -> 
     env.cast(a, a.aval.dtype) if casting.is_eligible(a.aval.dtype) else env.read(a)
     for a in eqn.invars
   ]
-  return Applied(env.bind(eqn, invals), ruling or Ruling("traced dtypes"), invals)
+  return Applied(compat.bind(eqn, invals), ruling or Ruling("traced dtypes"), invals)
 
 
 def by_category(eqn, env: Env, ctx: Context) -> Applied:
@@ -265,7 +265,7 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
       if out_dtype != bias_dtype and casting.is_eligible(bias_dtype):
         values = {out: env.read(out), bias: env.cast(bias, out_dtype)}
         invals = [values[a], values[b]]
-        return Applied(env.bind(eqn, invals), Ruling("bias add", Category.LOWER), invals)
+        return Applied(compat.bind(eqn, invals), Ruling("bias add", Category.LOWER), invals)
   return by_category(eqn, env, ctx)
 
 
@@ -373,7 +373,7 @@ def bind_native(eqn, env: Env, ctx: Context, invals: list) -> tuple[list, list]:
       params[combiner] = _retype_combiner(
         params[combiner], params.get("update_consts", ()), operand_dtype
       )
-  return env.bind(eqn, invals, params), invals
+  return compat.bind(eqn, invals, params), invals
 
 
 def _equalize(eqn, invals: list, env: Env) -> list:
