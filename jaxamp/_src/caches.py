@@ -205,8 +205,9 @@ _MISSING = object()
 def clear_caches() -> None:
   """Empties jaxamp's caches (traced and rewritten jaxprs, region lookups): the next call of
   an autocast function traces afresh. Like ``jax.clear_caches()``, for jaxamp's own caches."""
-  from jaxamp._src import regions
+  from jaxamp._src import compat, regions
 
+  compat.clear_staged()
   for cache in _caches:
     cache.clear()
   regions._named_op.cache_clear()

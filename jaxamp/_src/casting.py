@@ -53,6 +53,21 @@ def saturating_convert(value, dtype: np.dtype) -> Any:
   return lax.convert_element_type(jnp.where(jnp.isinf(value), value, clipped), dtype)
 
 
+def convert(value, dtype: np.dtype) -> Any:
+  """``lax.convert_element_type``; staged (``compat.staged``) while linearizing."""
+  if compat.linearizing([value]):
+    dtype = jnp.dtype(dtype)
+    return compat.staged(("convert", dtype), lambda: _converter(dtype))(value)
+  return lax.convert_element_type(value, dtype)
+
+
+def _converter(dtype: np.dtype):
+  def convert_element_type(value):
+    return lax.convert_element_type(value, dtype)
+
+  return convert_element_type
+
+
 class CastCache:
   """The casts made while evaluating one jaxpr, so a value is converted at most once per dtype.
 
@@ -74,7 +89,7 @@ class CastCache:
     self.converts += 1
     if saturate:
       return saturating_convert(value, dtype)
-    return lax.convert_element_type(value, dtype)
+    return convert(value, dtype)
 
   def ask(self, key: tuple[Any, np.dtype]) -> Any | None:
     """The cached cast for ``key``, noting a hoistable invar's cast as wanted outside."""
