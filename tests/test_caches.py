@@ -132,6 +132,34 @@ def test_the_cache_does_not_keep_a_bound_methods_instance_alive():
   assert instance() is None and weights() is None
 
 
+class _Tag:
+  """Static metadata of a pytree node (as an Equinox module's static fields are)."""
+
+
+class _Tagged:
+  def __init__(self, x, tag):
+    self.x, self.tag = x, tag
+
+
+jax.tree_util.register_pytree_node(
+  _Tagged, lambda t: ((t.x,), t.tag), lambda tag, children: _Tagged(children[0], tag)
+)
+
+
+def test_the_pytree_metadata_of_arguments_and_outputs_dies_with_the_function():
+  tag = _Tag()
+  metadata = weakref.ref(tag)
+
+  def step(tree):
+    return _Tagged(tree.x @ W, tree.tag)  # the output carries the argument's metadata
+
+  out = jaxamp.autocast(step, device_type="cpu")(_Tagged(_batch(0), tag))
+  assert out.tag is tag
+  del step, tag, out
+  gc.collect()
+  assert metadata() is None
+
+
 def test_a_partial_recreated_per_call_hits_the_cache_and_keeps_no_array_alive():
   traces = []
 

@@ -153,6 +153,8 @@ class Traced(NamedTuple):
     in_avals: the avals of ``arrays``.
     out_tree: the treedef of the outputs.
     static_outs: the output leaves, ``_TRACED`` where a jaxpr output goes.
+    state_outputs: ``(jaxpr output index, traced dtype)`` of the outputs that are threaded
+      state (``_state_outputs``).
   """
 
   jaxpr: compat.ClosedJaxpr
@@ -162,6 +164,7 @@ class Traced(NamedTuple):
   in_avals: tuple
   out_tree: Any
   static_outs: list
+  state_outputs: tuple[tuple[int, Any], ...]
 
 
 def trace(fun: Callable, args: tuple, kwargs: dict) -> Traced:
@@ -172,8 +175,8 @@ def trace(fun: Callable, args: tuple, kwargs: dict) -> Traced:
   static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not is_array(leaf))
   arrays = [leaves[i] for i in dynamic]
   in_avals = tuple(compat.typeof(x) for x in arrays)
-  closed, (out_tree, static_outs) = _trace(fun, in_tree, dynamic, static, in_avals)
-  return Traced(closed, arrays, in_tree, dynamic, in_avals, out_tree, static_outs)
+  closed, out_tree, static_outs, state_outputs = _trace(fun, in_tree, dynamic, static, in_avals)
+  return Traced(closed, arrays, in_tree, dynamic, in_avals, out_tree, static_outs, state_outputs)
 
 
 def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> Any:
@@ -186,15 +189,7 @@ def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> A
   closed = traced.jaxpr
   ctx = interpreter.Context(settings, higher_order.RULES)
   outs = interpreter.evaluate(closed.jaxpr, closed.consts, traced.arrays, ctx)
-  is_traced = tuple(leaf is _TRACED for leaf in traced.static_outs)
-  for i, dtype in _state_outputs(
-    traced.in_tree,
-    traced.dynamic,
-    traced.in_avals,
-    traced.out_tree,
-    is_traced,
-    tuple(closed.out_avals),
-  ):
+  for i, dtype in traced.state_outputs:
     if getattr(outs[i], "dtype", None) != dtype:
       outs[i] = jax.lax.convert_element_type(outs[i], dtype)
   outs = iter(outs)
@@ -211,7 +206,6 @@ def _subtrees(treedef, offset: int = 0):
     offset += child.num_leaves
 
 
-@functools.lru_cache(maxsize=_TRACE_CACHE_SIZE)
 def _state_outputs(
   in_tree, dynamic: tuple, in_avals: tuple, out_tree, traced: tuple, out_avals: tuple
 ) -> tuple[tuple[int, Any], ...]:
@@ -300,7 +294,12 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
     return [leaf for leaf, t in zip(out_leaves, traced, strict=True) if t]
 
   closed = compat.trace(flat_fun, in_avals)
-  result = (closed, out_tree_box[0])
+  out_tree, static_outs = out_tree_box[0]
+  is_traced = tuple(leaf is _TRACED for leaf in static_outs)
+  state_outputs = _state_outputs(
+    in_tree, dynamic, in_avals, out_tree, is_traced, tuple(closed.out_avals)
+  )
+  result = (closed, out_tree, static_outs, state_outputs)
   if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
     _traces.put(key, result)
   return result
