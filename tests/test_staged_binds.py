@@ -20,9 +20,7 @@ prims = compat.primitives
 class Block(nn.Module):
   @nn.compact
   def __call__(self, x):
-    h = nn.LayerNorm()(x)
-    h = nn.Dense(32)(h)
-    h = nn.gelu(h)
+    h = nn.gelu(nn.Dense(32)(nn.LayerNorm()(x)))
     h = nn.Dense(x.shape[-1])(h)
     return x + jax.nn.softmax(h) * h
 
