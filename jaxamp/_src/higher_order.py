@@ -164,30 +164,26 @@ def restore_carries(env: Env, atoms, values: list) -> list:
   ]
 
 
-def _jit_rule(eqn, invals, env, ctx):
-  closed = eqn.params["jaxpr"]
-  avals = body_avals(closed.jaxpr.invars, invals, weak_inputs(eqn, env))
+def _rewrite_call(closed, eqn, invals, env, ctx, weak: Sequence[bool] = ()):
+  """The closed jaxpr ``eqn`` calls on ``invals`` (all of its inputs), rewritten for them."""
   new, _ = rewrite(
     closed.jaxpr,
     closed.consts,
-    avals,
+    body_avals(closed.jaxpr.invars, invals, weak),
     ctx,
     path=sub_path(env.path, eqn),
     computed=computed_inputs(env, eqn.invars),
   )
+  return new
+
+
+def _jit_rule(eqn, invals, env, ctx):
+  new = _rewrite_call(eqn.params["jaxpr"], eqn, invals, env, ctx, weak_inputs(eqn, env))
   return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 
 def _closed_call_rule(eqn, invals, env, ctx):
-  closed = eqn.params["call_jaxpr"]
-  new, _ = rewrite(
-    closed.jaxpr,
-    closed.consts,
-    body_avals(closed.jaxpr.invars, invals),
-    ctx,
-    path=sub_path(env.path, eqn),
-    computed=computed_inputs(env, eqn.invars),
-  )
+  new = _rewrite_call(eqn.params["call_jaxpr"], eqn, invals, env, ctx)
   return compat.bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
 
 
@@ -354,15 +350,7 @@ def _match(values, dtypes) -> list:
 
 def _autocast_primal(eqn, invals, env, ctx) -> tuple[compat.ClosedJaxpr, list]:
   """A custom-derivative call's primal body, autocast, and the dtypes of its outputs now."""
-  call = eqn.params["call_jaxpr"]
-  body, _ = rewrite(
-    call.jaxpr,
-    call.consts,
-    body_avals(call.jaxpr.invars, invals),
-    ctx,
-    path=sub_path(env.path, eqn),
-    computed=computed_inputs(env, eqn.invars),
-  )
+  body = _rewrite_call(eqn.params["call_jaxpr"], eqn, invals, env, ctx)
   return body, [aval.dtype for aval in body.out_avals]
 
 
