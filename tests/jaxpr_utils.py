@@ -82,3 +82,24 @@ def float_dtypes_of(jaxpr, primitive_name: str) -> set:
   for ins, outs in dtypes_of(jaxpr, primitive_name):
     found.update(d for d in ins + outs if jnp.issubdtype(d, jnp.floating))
   return found
+
+
+def matmuls_off_dtype(jaxpr, low) -> list:
+  """The dot_general / conv_general_dilated eqns of ``jaxpr`` that do not run in ``low``.
+
+  A matmul runs in ``low`` on ``low`` operands. A float32 result of them (its
+  ``preferred_element_type``) is the gradient of a float32 value autocast cast down
+  (``weight_grads``); in the branch taken on CPU its cotangent enters in float32.
+  """
+  low, f32, off = jnp.dtype(low), jnp.dtype(jnp.float32), []
+  for _, eqn in walk(jaxpr):
+    if eqn.primitive.name not in ("dot_general", "conv_general_dilated"):
+      continue
+    ins = {_dtype(a) for a in eqn.invars}
+    (out,) = (_dtype(v) for v in eqn.outvars)
+    if out == low and ins == {low}:
+      continue
+    if out == f32 == eqn.params.get("preferred_element_type") and ins in ({low}, {low, f32}):
+      continue
+    off.append(eqn)
+  return off

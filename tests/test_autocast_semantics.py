@@ -163,9 +163,16 @@ def test_residual_add_of_the_dots_own_input_promotes():
   assert fun(X, W).dtype == jnp.float32
 
 
-def test_full_shape_parameter_added_to_a_dot_stays_in_the_low_dtype():
+def test_full_shape_parameter_added_to_a_dot_promotes():
+  # A bias varies along the output features only; an addend with batch extent (an attention
+  # mask, torch's `c + mm(x, w)`) is not one and promotes.
+  fun = jaxamp.autocast(lambda x, w, c: c + x @ w, device_type="cuda")
+  assert fun(X, W, X).dtype == jnp.float32
+
+
+def test_feature_vector_added_to_a_dot_stays_in_the_low_dtype():
   fun = jaxamp.autocast(lambda x, w, c: c + x @ w, device_type="cuda")  # torch.addmm(c, x, w)
-  assert fun(X, W, X).dtype == jnp.float16
+  assert fun(X, W, X[0]).dtype == jnp.float16
 
 
 def test_cpu_cat_promotes_to_the_widest():

@@ -79,6 +79,15 @@ DIVERGENCES: dict[str, tuple[str, str]] = {
     "so torch.mm(x, W) + b is F.linear(x, W, b)",
   ),
   "mv": ("low", "torch's CPU list has mm/matmul but not mv; both are dot_general in JAX"),
+  **{
+    name: (
+      "float32",
+      "JAX has no fused addmm/addbmm/baddbmm: c + a @ b with a c of batch extent (varying over "
+      "a's rows too) is an addend like an attention mask, not a linear bias, and promotes as "
+      "torch's unfused product + c does; torch's fused kernel casts c to the low dtype",
+    )
+    for name in ("addmm_full_input", "addbmm", "baddbmm")
+  },
   "addmv": (
     "low",
     "torch's CPU list has addmm but not addmv; c + A @ v is a dot_general and "

@@ -96,3 +96,39 @@ def test_a_second_parameter_added_after_a_dense_layer_promotes(device_type, low)
   # torch: F.linear(x, W, b) + p promotes; only the dot's own bias add joins it.
   fun = jaxamp.autocast(lambda x, w, b, p: x @ w.T + b + p, device_type=device_type)
   assert fun(XS, W, B, B).dtype == jnp.float32
+
+
+@policies
+def test_a_bias_of_a_computed_weight_stays_low(device_type, low):
+  # Weight norm, spectral norm, a merged LoRA weight: the weight is computed, still a weight.
+  fun = jaxamp.autocast(
+    lambda w, v, b: (w / jnp.linalg.norm(w, axis=1, keepdims=True)) @ v + b,
+    device_type=device_type,
+  )
+  assert fun(W, V, B).dtype == low
+
+
+@policies
+def test_an_addend_along_both_operands_free_dims_promotes(device_type, low):
+  # q @ k.T + mask: the mask varies over queries and keys; no bias does.
+  fun = jaxamp.autocast(lambda q, k, m: q @ k.T + m, device_type=device_type)
+  assert fun(XS, XS, jnp.zeros((5, 5))).dtype == jnp.float32
+
+
+@policies
+def test_an_addend_along_a_batch_dim_promotes(device_type, low):
+  scores = lambda q, k, m: jnp.einsum("bqd,bkd->bqk", q, k) + m
+  q = jnp.stack([XS, XS])
+  fun = jaxamp.autocast(scores, device_type=device_type)
+  assert fun(q, q, jnp.zeros((2, 1, 1))).dtype == jnp.float32
+
+
+@policies
+def test_a_conv_bias_along_the_output_channels_stays_low_but_a_spatial_one_promotes(
+  device_type, low
+):
+  conv = lambda x, k, b: lax.conv(x, k, (1, 1), "SAME") + b
+  x, k = jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3)) * 0.1
+  fun = jaxamp.autocast(conv, device_type=device_type)
+  assert fun(x, k, jnp.zeros((1, 4, 1, 1))).dtype == low
+  assert fun(x, k, jnp.zeros((1, 1, 8, 8))).dtype == jnp.float32

@@ -64,3 +64,50 @@ def test_a_16_bit_input_summed_without_dtype_returns_the_policys_dtype(device_ty
   fun = jaxamp.autocast(lambda x: jnp.sum(x), device_type=device_type)
   expected = jnp.float16 if device_type == "cpu" else jnp.float32
   assert fun(X.astype(jnp.float16)).dtype == expected
+
+
+# --- precision=: an explicit request for full precision ------------------------------------
+
+XS = jax.random.normal(jax.random.key(2), (4, 8))
+WS = jax.random.normal(jax.random.key(3), (8, 3))
+FULL = [lax.Precision.HIGHEST, "highest", lax.Precision.HIGH, (lax.Precision.HIGHEST,) * 2]
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+@pytest.mark.parametrize("precision", FULL, ids=["HIGHEST", "highest", "HIGH", "pair"])
+def test_a_dot_with_an_explicit_precision_runs_in_its_input_dtype(device_type, precision):
+  fun = jaxamp.autocast(lambda x, w: jnp.dot(x, w, precision=precision), device_type=device_type)
+  out = fun(XS, WS)
+  assert out.dtype == jnp.float32
+  assert bool(jnp.array_equal(out, jnp.dot(XS, WS, precision=precision)))
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_lax_dot_general_and_einsum_with_highest_precision_run_in_float32(device_type):
+  dims = (((1,), (0,)), ((), ()))
+  highest = lax.Precision.HIGHEST
+  general = lambda x, w: lax.dot_general(x, w, dims, precision=highest)
+  einsum = lambda x, w: jnp.einsum("ij,jk->ik", x, w, precision=highest)
+  for fun in (general, einsum):
+    assert jaxamp.autocast(fun, device_type=device_type)(XS, WS).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_a_conv_with_highest_precision_runs_in_float32(device_type):
+  image, kernel = jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3))
+  conv = lambda x, k: lax.conv(x, k, (1, 1), "SAME", precision=lax.Precision.HIGHEST)
+  assert jaxamp.autocast(conv, device_type=device_type)(image, kernel).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_default_precision_spelled_out_is_autocast(device_type):
+  fun = jaxamp.autocast(
+    lambda x, w: jnp.dot(x, w, precision=lax.Precision.DEFAULT), device_type=device_type
+  )
+  assert fun(XS, WS).dtype == jaxamp.get_autocast_dtype(device_type)
+
+
+def test_explain_names_the_explicit_precision():
+  fun = lambda x, w: jnp.dot(x, w, precision=lax.Precision.HIGHEST)
+  report = str(jaxamp.explain(fun, device_type="cpu")(XS, WS))
+  assert "explicit precision" in report

@@ -128,11 +128,12 @@ def test_a_genuine_infinity_stays_infinite(device_type, dtype):
   assert bool(jnp.isneginf(out).any())
 
 
-def test_a_large_literal_saturates_where_it_follows_a_16_bit_operand():
+def test_a_large_literal_in_arithmetic_gives_torchs_answer_not_a_saturated_one():
+  # torch computes maximum(x16, -1e30) in float32 and rounds: -1e30 is -inf in float16.
   fun = jaxamp.autocast(lambda x, w: jnp.maximum(x @ w, -1e30), device_type="cuda")
   out = jax.jit(fun)(-jnp.ones((2, 4)) * 1e4, jnp.eye(4) * 10)
   assert out.dtype == jnp.float16
-  assert bool(jnp.isfinite(out).all())
+  assert bool(jnp.isneginf(out).all())
 
 
 def test_a_computed_overflow_is_not_hidden():
@@ -141,3 +142,86 @@ def test_a_computed_overflow_is_not_hidden():
   fun = jaxamp.autocast(lambda x, w: x @ w, device_type="cuda")
   out = fun(jnp.full((1, 4), 1e3), jnp.full((4, 4), 1e3))
   assert bool(jnp.isinf(out).all())
+
+
+# --- additive masks: a mask added to the scores is not a bias -------------------------------
+
+PAIR = jnp.array([[1, 1, 0, 0]] * 2 + [[0, 0, 0, 0]] * 2, bool)  # rows 2, 3: fully masked
+Q = jax.random.normal(jax.random.key(3), (4, 8))
+K = jax.random.normal(jax.random.key(4), (4, 8))
+ADDITIVE_MASKS = {
+  "finfo-min": jnp.where(PAIR, 0.0, jnp.finfo(jnp.float32).min),
+  "minus-1e9": (1.0 - PAIR.astype(jnp.float32)) * -1e9,
+}
+masks = pytest.mark.parametrize("mask", list(ADDITIVE_MASKS.values()), ids=list(ADDITIVE_MASKS))
+
+
+def scores_softmax(q, k, mask):
+  return jax.nn.softmax(q @ k.T + mask)
+
+
+@policies
+@masks
+def test_an_additive_mask_passed_as_an_argument_stays_finite(device_type, dtype, mask):
+  fun = jaxamp.autocast(scores_softmax, device_type=device_type, dtype=dtype)
+  assert_finite(fun(Q, K, mask))
+  value_and_grad_finite(lambda q: jnp.sum(fun(q, K, mask)), Q)
+
+
+@policies
+@masks
+def test_an_additive_mask_closed_over_stays_finite(device_type, dtype, mask):
+  fun = jaxamp.autocast(
+    lambda q, k: scores_softmax(q, k, mask), device_type=device_type, dtype=dtype
+  )
+  assert_finite(fun(Q, K))
+
+
+@policies
+def test_an_additive_mask_promotes_the_scores_as_torch_does(device_type, dtype):
+  # torch: a 16-bit matmul plus a float32 mask is float32; the mask keeps its value.
+  fun = jaxamp.autocast(lambda q, k, m: q @ k.T + m, device_type=device_type, dtype=dtype)
+  out = fun(Q, K, ADDITIVE_MASKS["finfo-min"])
+  assert out.dtype == jnp.float32
+  assert float(out.min()) < -1e38
+
+
+@policies
+@masks
+def test_jax_nn_attention_with_an_additive_bias_mask_is_finite(device_type, dtype, mask):
+  def attention(q, k, mask):
+    q, k = q[None, :, None], k[None, :, None]  # (batch, seq, heads, head_dim)
+    return jax.nn.dot_product_attention(q, k, k, bias=mask[None, None])
+
+  fun = jaxamp.autocast(attention, device_type=device_type, dtype=dtype)
+  assert_finite(fun(Q, K, mask))
+  value_and_grad_finite(lambda q: jnp.sum(fun(q, K, mask).astype(jnp.float32)), Q)
+
+
+@policies
+@masks
+def test_linen_attention_with_an_additive_bias_mask_is_finite(device_type, dtype, mask):
+  def attention(q, k, mask):
+    q, k = q[None, :, None], k[None, :, None]
+    return nn.dot_product_attention(q, k, k, bias=mask[None, None])
+
+  fun = jaxamp.autocast(attention, device_type=device_type, dtype=dtype)
+  assert_finite(fun(Q, K, mask))
+  value_and_grad_finite(lambda q: jnp.sum(fun(q, K, mask).astype(jnp.float32)), Q)
+
+
+@policies
+def test_a_key_padding_mask_of_one_sequence_stays_finite(device_type, dtype):
+  # A (1, k) mask varies along the keys only, as a bias would: cast, it saturates.
+  mask = jnp.where(PAIR[:1], 0.0, jnp.finfo(jnp.float32).min)
+  fun = jaxamp.autocast(scores_softmax, device_type=device_type, dtype=dtype)
+  assert_finite(fun(Q, K, jnp.broadcast_to(mask, (4, 4))))
+  assert_finite(fun(Q[:1], K, mask))
+
+
+@policies
+def test_a_bias_too_large_for_16_bits_saturates_instead_of_overflowing(device_type, dtype):
+  fun = jaxamp.autocast(lambda x, w, b: x @ w + b, device_type=device_type, dtype=dtype)
+  out = fun(Q, jnp.eye(8), jnp.full((8,), -3.4e38))
+  assert out.dtype == dtype
+  assert_finite(out)

@@ -324,9 +324,10 @@ def test_debug_print_prints_the_report_from_inside_jit(capsys):
 
 
 # --- a float16 layer that overflows --------------------------------------------------------------
-# `big_in` sees inputs 1000x larger through weights 1000x smaller: its activations are like
-# `small_in`'s, but its kernel gradient is ~1000x larger. A loss scale of 2**12 keeps every other
-# float16 gradient finite and overflows that one.
+# `big_in`'s output is scaled up 1000x after a 1000x smaller kernel: its activations are like
+# `small_in`'s, but the gradient of its output, a float16 activation gradient, is ~1000x larger.
+# A loss scale of 2**12 overflows that one and keeps every other gradient finite; it reaches only
+# `big_in`'s kernel (no bias), whose gradient is a float32 matmul result (weight_grads).
 
 X = jnp.asarray(np.random.default_rng(0).standard_normal((16, 6)), jnp.float32)
 Y = jnp.arange(16, dtype=jnp.int32) % 3
@@ -337,7 +338,8 @@ class TwoInputs(nn.Module):
   @nn.compact
   def __call__(self, x):
     small = nn.Dense(8, name="small_in")(x)
-    big = nn.Dense(8, name="big_in", kernel_init=nn.initializers.normal(1e-3))(x * 1000.0)
+    init = nn.initializers.normal(1e-3)
+    big = nn.Dense(8, name="big_in", use_bias=False, kernel_init=init)(x) * 1000.0
     return nn.Dense(3, name="head")(nn.relu(small + big))
 
 
@@ -365,7 +367,6 @@ def test_linen_float16_overflow_is_pinned_to_the_layer():
   opt_state, report = step(params, opt_state)
   assert bool(opt_state.found_inf) and report.nonfinite_paths() == ("params/big_in/kernel",)
   assert str(report).splitlines()[1].startswith("params/big_in/kernel: ")
-  assert float(report.max_finite) <= 65504.0
 
 
 def test_train_step_metrics_have_no_report_by_default():
@@ -386,19 +387,20 @@ def test_linen_train_step_reports_the_overflowing_layer_until_the_scale_fits():
     if not metrics["found_inf"]:
       break
     skipped.append(report.nonfinite_paths())
-  assert skipped == [("big_in/kernel",)] * 5 and float(metrics["scale"]) == 2.0**7
+  assert skipped == [("big_in/kernel",)] * 3 and float(metrics["scale"]) == 2.0**9
   max_finite = nonfinite._fmt(float(report.max_finite))
-  assert str(report) == f"all 6 leaves finite, max finite {max_finite}"
+  assert str(report) == f"all 5 leaves finite, max finite {max_finite}"
 
 
 class NnxTwoInputs(nnx.Module):
   def __init__(self, rngs: nnx.Rngs):
     self.small_in = nnx.Linear(6, 8, rngs=rngs)
-    self.big_in = nnx.Linear(6, 8, kernel_init=nnx.initializers.normal(1e-3), rngs=rngs)
+    init = nnx.initializers.normal(1e-3)
+    self.big_in = nnx.Linear(6, 8, use_bias=False, kernel_init=init, rngs=rngs)
     self.head = nnx.Linear(8, 3, rngs=rngs)
 
   def __call__(self, x):
-    return self.head(nnx.relu(self.small_in(x) + self.big_in(x * 1000.0)))
+    return self.head(nnx.relu(self.small_in(x) + self.big_in(x) * 1000.0))
 
 
 def nnx_loss(model, batch):
@@ -422,10 +424,10 @@ def test_equinox_float16_overflow_is_pinned_to_the_layer():
     head: eqx.nn.Linear
 
     def __call__(self, x):
-      return self.head(jax.nn.relu(self.small_in(x) + self.big_in(x * 1000.0)))
+      return self.head(jax.nn.relu(self.small_in(x) + self.big_in(x) * 1000.0))
 
   keys = jax.random.split(jax.random.key(0), 3)
-  big = eqx.nn.Linear(6, 8, key=keys[1])
+  big = eqx.nn.Linear(6, 8, use_bias=False, key=keys[1])
   big = eqx.tree_at(lambda m: m.weight, big, big.weight * 1e-3)
   model = Model(eqx.nn.Linear(6, 8, key=keys[0]), big, eqx.nn.Linear(8, 3, key=keys[2]))
 

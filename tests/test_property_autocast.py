@@ -231,7 +231,17 @@ def is_var(atom) -> bool:
 
 
 def producers(jaxpr) -> dict:
-  return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  return {v: unwrapped(eqn) for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def unwrapped(eqn):
+  """The one primitive a ``custom_jvp_call`` wraps, on the call's inputs: autocast binds a
+  matmul or bias add so, to give its cast-down inputs float32 gradients (``weight_grads``)."""
+  body = eqn.params.get("call_jaxpr") if eqn.primitive.name == "custom_jvp_call" else None
+  if body is None or len(body.jaxpr.eqns) != 1:
+    return eqn
+  inner = body.jaxpr.eqns[0]
+  return inner.replace(invars=eqn.invars[: len(inner.invars)], outvars=eqn.outvars)
 
 
 def low_precision_bias_adds(jaxpr) -> list:
@@ -239,7 +249,7 @@ def low_precision_bias_adds(jaxpr) -> list:
   found = []
   for sub in jaxprs_of(jaxpr):
     made_by = producers(sub)
-    for eqn in sub.eqns:
+    for eqn in map(unwrapped, sub.eqns):
       if eqn.primitive.name != "add":
         continue
       kinds = [

@@ -434,7 +434,22 @@ NOT_APPLICABLE: dict[str, str] = {
 
 # Entries where jaxamp gives another dtype than torch: "device/list/id" -> (jaxamp's dtype, or
 # "values" where only the values differ from torch's control, and why).
+FUSED_ADD = (
+  "JAX has no fused {op}: its spelling adds an input of batch extent (varying over more "
+  "than one operand's free dims) to the product, an addend like an attention mask, not a "
+  "linear bias: it promotes as torch's unfused product + input does, where torch's fused "
+  "kernel casts that input to the low dtype"
+)
+
 DIVERGENCES: dict[str, tuple[str, str]] = {
+  "cuda/torch_fp16/addmm": ("float32", FUSED_ADD.format(op="addmm")),
+  "cuda/torch_fp16/addbmm": ("float32", FUSED_ADD.format(op="addbmm")),
+  "cuda/torch_fp16/baddbmm": ("float32", FUSED_ADD.format(op="baddbmm")),
+  "cuda/nn_fp16/linear": ("float32", FUSED_ADD.format(op="linear")),
+  "cpu/torch_16/addmm": ("float32", FUSED_ADD.format(op="addmm")),
+  "cpu/torch_16/addbmm": ("float32", FUSED_ADD.format(op="addbmm")),
+  "cpu/torch_16/baddbmm": ("float32", FUSED_ADD.format(op="baddbmm")),
+  "cpu/torch_16/_addmm_activation": ("float32", FUSED_ADD.format(op="addmm_activation")),
   "cuda/torch_expect_builtin_promote/equal": (
     "bool",
     "torch.equal returns a Python bool, whose dtype torch's test does not check; "

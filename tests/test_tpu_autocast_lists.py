@@ -185,7 +185,22 @@ def spelling(key: str) -> Spelling:
   return TPU[list_name][op]
 
 
+# Entries where jaxamp gives another dtype than the list: key -> (dtype, why).
+DIVERGENCES: dict[str, tuple[str, str]] = {
+  f"torch_bf16/{op}": (
+    "float32",
+    f"JAX has no fused {op}: its spelling adds an input of batch extent (varying over more "
+    "than one operand's free dims) to the product, an addend like an attention mask, not a "
+    "linear bias: it promotes as an unfused product + input does, where the fused kernel "
+    "casts that input to the low dtype",
+  )
+  for op in ("addmm", "addbmm", "baddbmm")
+}
+
+
 def expected_dtype(key: str) -> str:
+  if key in DIVERGENCES:
+    return DIVERGENCES[key][0]
   list_name, op = key.split("/", 1)
   category = CATEGORIES[list_name]
   if category == "out_type":
@@ -234,7 +249,7 @@ def test_entry_dtype_is_its_lists(key):
 
 @pytest.mark.parametrize("key", KEYS)
 def test_entry_values_are_the_controls(key):
-  expected = expected_dtype(key)
+  expected = "bfloat16" if key in DIVERGENCES else expected_dtype(key)  # the list's products
   control = control_outputs(key, expected if expected in FLOATS else "float32")
   rtol = max(PRECISION[d] for d in dtype_names(control))
   assert_close(autocast_outputs(key), control, rtol)

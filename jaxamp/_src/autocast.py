@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import (
@@ -58,7 +59,16 @@ def autocast(
   Returns:
     A function with ``fun``'s signature whose outputs have the dtypes the policy produced,
     except state threaded through (an ``eqx.nn.State``, linen collections, Haiku state, nnx
-    Variables), which keeps the dtype it came in with. ``fun`` may be an nnx Module.
+    Variables), which keeps the dtype it came in with. Every output computed from the traced
+    arrays, constants and inputs returned as they are included, is a ``jax.Array``, eagerly too;
+    static values ``fun`` returns (Python numbers, strings) come back as they are.
+
+    For a module, an nnx Module or a pytree holding arrays (an Equinox module), an
+    ``AutocastModule``: a pytree whose one child is the module, which calls it with the module
+    passed as an argument. Its arrays stay leaves of any model it is put into, so
+    ``eqx.tree_at(lambda m: m.mlp, model, autocast(model.mlp))`` keeps them trainable (gradients,
+    optimizers, ``eqx.filter``), and an nnx module's state updates (BatchNorm statistics, RNG
+    counters) are written back to it. Its other attributes are the module's.
   """
   settings = policy.make_policy(device_type, dtype, cache_enabled)
   if not isinstance(enabled, bool):
@@ -106,36 +116,80 @@ class _AutocastDecorator:
 
 
 def _wrap(fun: Callable, settings: policy.Policy | None) -> Callable:
-  if nnx_modules.is_module(fun):
-    return _wrap_module(fun, settings)
+  if nnx_modules.is_module(fun) or _has_array_leaves(fun):
+    nnx_modules.register_data_type(AutocastModule)  # an nnx Module may hold it as an attribute
+    return AutocastModule(fun, settings)
 
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
-    with regions.kept_region(regions.AUTOCAST_MARK):
-      if settings is None:
-        return fun(*args, **kwargs)
-      if nnx_modules.contains_modules((args, kwargs)):
-        run = lambda pure_fun, a, k: call(pure_fun, settings, a, k)
-        return nnx_modules.call_keeping_state(run, fun, args, kwargs)
-      return call(fun, settings, args, kwargs)
+    return _run(fun, settings, args, kwargs)
 
   return autocast_fun
 
 
-def _wrap_module(module: Any, settings: policy.Policy | None) -> Callable:
-  """``autocast(module)``: the module is an argument of ``m(*args)``, not a closed-over value.
+def _run(fun: Callable, settings: policy.Policy | None, args: tuple, kwargs: dict) -> Any:
+  """``fun(*args, **kwargs)`` in a kept region, autocast with ``settings`` (None: as written)."""
+  with regions.kept_region(regions.AUTOCAST_MARK):
+    if settings is None:
+      return fun(*args, **kwargs)
+    if nnx_modules.contains_modules((args, kwargs)):
+      run = lambda pure_fun, a, k: call(pure_fun, settings, a, k)
+      return nnx_modules.call_keeping_state(run, fun, args, kwargs)
+    return call(fun, settings, args, kwargs)
 
-  Its state then goes through the trace and back like any module argument's, so a module that
-  updates itself (BatchNorm statistics, RNG counters, a Variable made in ``__call__``) works.
+
+def _has_array_leaves(fun: Any) -> bool:
+  """Whether ``fun`` is a pytree holding arrays (an Equinox module, an Equinox bound method).
+
+  Functions, bound methods, ``functools.partial`` objects and jitted functions are pytree leaves
+  themselves, so they are not.
   """
-  inner = _wrap(nnx_modules.call_module, settings)
+  return any(is_array(leaf) for leaf in jax.tree.leaves(fun))
 
-  def autocast_module(*args, **kwargs):
-    return inner(module, *args, **kwargs)
 
-  autocast_module.__doc__ = type(module).__call__.__doc__
-  autocast_module.__wrapped__ = module
-  return autocast_module
+@jax.tree_util.register_pytree_with_keys_class
+class AutocastModule:
+  """``autocast(module)`` for a module that is a pytree: a pytree with the module as its child.
+
+  Calling it runs ``module(*args, **kwargs)`` with the module passed to the autocast function as
+  an argument, so its arrays are traced inputs rather than closure constants. As a pytree node it
+  keeps them as leaves where the module stood: ``eqx.tree_at(lambda m: m.mlp, model,
+  autocast(model.mlp))`` leaves them visible to ``jax.grad``, ``eqx.filter``/``partition`` and
+  optimizers, and rebuilds around the new leaves that ``jax.tree.map`` or ``apply_updates`` give
+  it. An nnx module's state updates go back into it, as for any nnx module argument. Other
+  attributes are read from the module (``wrapper.layers`` is ``module.layers``).
+  """
+
+  __wrapped__: Any
+  _settings: policy.Policy | None
+
+  def __init__(self, module: Any, settings: policy.Policy | None):
+    self.__wrapped__ = module
+    self._settings = settings
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return _run(nnx_modules.call_module, self._settings, (self.__wrapped__, *args), kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith("__") and name.endswith("__"):  # no copy/pickle protocol lookups
+      raise AttributeError(name)
+    return getattr(object.__getattribute__(self, "__wrapped__"), name)
+
+  def __repr__(self) -> str:
+    settings = self._settings
+    if settings is None:
+      return f"jaxamp.autocast({self.__wrapped__!r}, enabled=False)"
+    return (
+      f"jaxamp.autocast({self.__wrapped__!r}, device_type={settings.device_type!r}, "
+      f"dtype={settings.dtype.name})"
+    )
+
+  def tree_flatten_with_keys(self) -> tuple[tuple, policy.Policy | None]:
+    return ((jax.tree_util.GetAttrKey("__wrapped__"), self.__wrapped__),), self._settings
+
+  @classmethod
+  def tree_unflatten(cls, settings: policy.Policy | None, children: tuple) -> AutocastModule:
+    return cls(children[0], settings)
 
 
 def is_array(x: Any) -> bool:
@@ -192,10 +246,26 @@ def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> A
   for i, dtype in traced.state_outputs:
     if getattr(outs[i], "dtype", None) != dtype:
       outs[i] = jax.lax.convert_element_type(outs[i], dtype)
-  outs = iter(outs)
+  outs = iter(map(_as_array, outs, closed.out_avals))
   return jax.tree.unflatten(
     traced.out_tree, [next(outs) if leaf is _TRACED else leaf for leaf in traced.static_outs]
   )
+
+
+def _as_array(value: Any, aval: Any) -> jax.Array:
+  """A jaxpr output as a ``jax.Array``: of the dtype it has, else (a Python scalar) its traced one.
+
+  A literal output (``jnp.array(True)``, ``jnp.zeros(())``) evaluates to a Python or numpy
+  constant and an input returned as it is to whatever was passed (a numpy array); as arrays they
+  stay dynamic for ``eqx.filter_jit`` and the like, which would make a Python ``bool`` static and
+  retrace on it.
+  """
+  if isinstance(value, jax.Array):
+    return value
+  array = jnp.asarray(value)  # a numpy value keeps its dtype, a Python scalar its weak type
+  if hasattr(value, "dtype") or array.dtype == aval.dtype:
+    return array
+  return jnp.asarray(value, aval.dtype)
 
 
 def _subtrees(treedef, offset: int = 0):

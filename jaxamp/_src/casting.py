@@ -41,16 +41,41 @@ def saturating_constant(value, dtype: np.dtype) -> np.ndarray:
   return np.asarray(value, dtype)
 
 
+def fits(value, dtype: np.dtype) -> bool:
+  """Whether a constant keeps its magnitude in ``dtype``: a finite value stays finite and a
+  nonzero one nonzero (infinities and NaN are what they are in any dtype)."""
+  value = np.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    return True
+  with np.errstate(over="ignore", under="ignore"):
+    rounded = np.asarray(value, jnp.dtype(dtype))
+  lost = np.isfinite(value) & (~np.isfinite(rounded) | ((rounded == 0) & (value != 0)))
+  return not lost.any()
+
+
 def saturating_convert(value, dtype: np.dtype) -> Any:
-  """``value`` converted to ``dtype``, finite values clipped to its range as constants are."""
-  source = compat.typeof(value).dtype
+  """``value`` converted to ``dtype``, finite values clipped to its range as constants are;
+  staged (``compat.staged``) while linearizing, as ``convert`` is."""
+  source = jnp.dtype(compat.typeof(value).dtype)
   if jnp.dtype(dtype) not in LOW_DTYPES or jnp.finfo(source).max <= jnp.finfo(dtype).max:
-    return lax.convert_element_type(value, dtype)
+    return convert(value, dtype)
   if not isinstance(value, jax.core.Tracer):  # known now: clipped here, nothing traced
     return saturating_constant(value, dtype)
+  if compat.linearizing([value]):
+    dtype = jnp.dtype(dtype)
+    return compat.staged(("saturate", source, dtype), lambda: _saturator(source, dtype))(value)
+  return _saturator(source, dtype)(value)
+
+
+def _saturator(source: np.dtype, dtype: np.dtype):
   info = jnp.finfo(dtype)
-  clipped = lax.clamp(np.asarray(info.min, source), value, np.asarray(info.max, source))
-  return lax.convert_element_type(jnp.where(jnp.isinf(value), value, clipped), dtype)
+  low, high = np.asarray(info.min, source), np.asarray(info.max, source)
+
+  def saturating_convert_element_type(value):
+    clipped = lax.clamp(low, value, high)
+    return lax.convert_element_type(jnp.where(jnp.isinf(value), value, clipped), dtype)
+
+  return saturating_convert_element_type
 
 
 def convert(value, dtype: np.dtype) -> Any:

@@ -51,14 +51,19 @@ REQUIRED_INTERNALS = {
   "jax._src.interpreters.ad.LinearizeTracer": lambda: _ad.LinearizeTracer,
   "jax._src.interpreters.ad.primitive_jvps": lambda: _ad.primitive_jvps,
   "jax._src.interpreters.ad.primitive_linearizations": lambda: _ad.primitive_linearizations,
+  "jax._src.interpreters.ad.JVPTracer": lambda: _ad.JVPTracer,
+  "jax._src.interpreters.ad.Zero": lambda: _ad.Zero,
+  "jax._src.interpreters.ad.CustomVJPException": lambda: _ad.CustomVJPException,
+  "jax._src.interpreters.partial_eval.DynamicJaxprTracer": lambda: _pe.DynamicJaxprTracer,
+  "jax._src.core.Tracer._contents": lambda: _core.Tracer._contents,
 }
 
 
 def _unexported_primitives() -> dict[str, Any]:
   """Primitives jaxamp has rules for that ``jax.extend.core.primitives`` does not export."""
   from jax._src import callback, ffi, shard_map
+  from jax._src.lax import control_flow, linalg
   from jax._src.lax import lax as lax_internal
-  from jax._src.lax import linalg
   from jax._src.state import discharge
 
   return {
@@ -73,6 +78,8 @@ def _unexported_primitives() -> dict[str, Any]:
     "ffi_call_p": ffi.ffi_call_p,
     "run_state_p": discharge.run_state_p,
     "shard_map_p": shard_map.shard_map_p,
+    "composite_p": lax_internal.composite_p,
+    "optimization_barrier_p": control_flow.optimization_barrier_p,
   }
 
 
@@ -275,84 +282,149 @@ def aval_with_dtype(aval, dtype):
 
 # --- custom derivatives -------------------------------------------------------------------------
 
+SymbolicZero = jax.custom_derivatives.SymbolicZero
 
-def custom_jvp_rule_jaxpr(eqn) -> Callable[[], tuple[Jaxpr, list[Any]]]:
-  """The JVP rule of a ``custom_jvp_call`` eqn as a jaxpr thunk.
 
-  The jaxpr maps (*primals, *tangents) of the non-const inputs, all tangents nonzero, to
-  (*outs, *out_tangents); symbolic-zero output tangents are filled in as zeros.
+def perturbed(value) -> bool:
+  """Whether ``value`` carries a nonzero tangent of a differentiation (jvp, grad, vjp) under way
+  now: the flag JAX gives a custom_vjp's ``fwd`` rule for that input when it calls it now.
+
+  A value being staged out (under ``jit``) is not: differentiation may come later, with flags
+  not known yet. Tracers of other transformations (``vmap``) are looked through.
   """
-  params = eqn.params
-  n_args = len(eqn.invars) - params["num_consts"]
-  out_avals = [v.aval for v in eqn.outvars]
-
-  def thunk():
-    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*([False] * n_args))
-    if not any(out_zeros):
-      return jaxpr, consts
-    return _fill_zero_tangents(jaxpr, consts, out_zeros, out_avals)
-
-  return thunk
+  if not isinstance(value, _core.Tracer) or isinstance(value, _pe.DynamicJaxprTracer):
+    return False
+  if isinstance(value, _ad.JVPTracer | _ad.LinearizeTracer):
+    return not isinstance(value.tangent, _ad.Zero) or perturbed(value.primal)
+  return any(perturbed(part) for _, part in value._contents())
 
 
-def _fill_zero_tangents(jaxpr, consts, out_zeros, out_avals):
-  def full_rule(*args):
-    outs = _core.eval_jaxpr(jaxpr, consts, *args)
-    n = len(out_zeros)
-    nonzero = iter(outs[n:])
-    tangents = [
-      jnp.zeros(a.shape, a.to_tangent_aval().dtype) if z else next(nonzero)
-      for a, z in zip(out_avals, out_zeros, strict=True)
-    ]
-    return [*outs[:n], *tangents]
+def is_symbolic_zero(tangent) -> bool:
+  """Whether a tangent or cotangent handed to a custom rule is a symbolic zero (or None)."""
+  return tangent is None or isinstance(tangent, SymbolicZero | _ad.Zero)
 
-  closed = trace(full_rule, [v.aval for v in jaxpr.invars])
-  return closed.jaxpr, closed.consts
+
+def symbolic_zero(aval) -> Any:
+  """The symbolic zero tangent (or cotangent) of a value of type ``aval``."""
+  return SymbolicZero(aval.to_tangent_aval())
+
+
+def custom_jvp_rule(eqn) -> Callable[[Sequence[bool]], tuple[Jaxpr, list[Any], list[bool]]]:
+  """The JVP rule of a ``custom_jvp_call`` eqn, traced for given symbolic-zero input tangents.
+
+  ``rule(zeros)``, one flag per non-const input, is ``(jaxpr, consts, out_zeros)``: the jaxpr
+  maps (*primals, *tangents that are not zeros) to (*outs, *out tangents that are not zeros),
+  ``out_zeros`` flagging the outputs whose tangent the rule returned as a symbolic zero. A rule
+  defined without ``symbolic_zeros`` sees no zeros: JAX calls it with all flags False.
+  """
+  jvp_jaxpr_fun = eqn.params["jvp_jaxpr_fun"]
+
+  def rule(zeros: Sequence[bool]) -> tuple[Jaxpr, list[Any], list[bool]]:
+    jaxpr, consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+    return jaxpr, list(consts), list(out_zeros)
+
+  return rule
 
 
 def custom_vjp_rules(eqn):
-  """The rules of a ``custom_vjp_call`` eqn: ``(fwd_jaxpr, residual_dtypes, assemble, bwd)``.
+  """The rules of a ``custom_vjp_call`` eqn: ``(fwd_jaxpr, split, bwd)``.
 
-  ``fwd_jaxpr()`` is a thunk for (jaxpr, consts) mapping the non-const primals to the non-
-  forwarded residuals followed by the outputs; ``assemble(res_and_outs, primals)`` splits that
-  into (residuals as ``bwd`` takes them, outputs); ``residual_dtypes()`` are the dtypes ``bwd``
-  expects; ``bwd(*residuals, *out_cotangents)`` returns one cotangent per non-const input.
+  ``fwd_jaxpr(perturbed)`` is (jaxpr, consts) of the ``fwd`` rule traced for which non-const
+  inputs are perturbed (JAX's ``fwd_jaxpr_thunk``, whose flags say which inputs have a nonzero
+  tangent; a ``symbolic_zeros`` rule sees them as ``CustomVJPPrimal.perturbed``); it maps the
+  non-const primals to the non-forwarded residuals followed by the outputs.
+  ``split(jaxpr, res_and_outs, primals)`` splits what that jaxpr returned, given all the eqn's
+  inputs (consts first), into (residuals as ``bwd`` takes them, the dtypes that jaxpr gives
+  them, outputs): residual dtypes depend on the flags the ``fwd`` ran with. ``bwd(*residuals,
+  *out_cotangents)`` returns one cotangent per non-const input.
   """
   params = eqn.params
-  num_consts = params["num_consts"]
-  n_args = len(eqn.invars) - num_consts
   in_avals = [v.aval for v in eqn.invars]
   fwd_thunk, bwd, out_trees = params["fwd_jaxpr_thunk"], params["bwd"], params["out_trees"]
 
-  def fwd_jaxpr():
-    jaxpr, consts = fwd_thunk.call_wrapped(*([True] * n_args))
-    return jaxpr, consts
+  def fwd_jaxpr(perturbed: Sequence[bool]) -> tuple[Jaxpr, list[Any]]:
+    jaxpr, consts = fwd_thunk.call_wrapped(*perturbed)
+    return jaxpr, list(consts)
 
-  def split(res_and_outs):
+  def split(jaxpr, res_and_outs, primals):
     _, res_tree, input_fwds = out_trees()
     num_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
-    return res_and_outs[:num_res_out], res_and_outs[num_res_out:], input_fwds
-
-  def assemble(res_and_outs, primals):
-    res_out, outs, input_fwds = split(res_and_outs)
-    res_iter = iter(res_out)
-    residuals = [next(res_iter) if f is None else primals[f] for f in input_fwds]
-    return residuals, list(outs)
-
-  def residual_dtypes():
-    jaxpr, _ = fwd_jaxpr()
-    res_avals, _, input_fwds = split([v.aval for v in jaxpr.outvars])
-    res_iter = iter(res_avals)
-    return [(next(res_iter) if f is None else in_avals[f]).dtype for f in input_fwds]
+    res_out, outs = res_and_outs[:num_res_out], res_and_outs[num_res_out:]
+    res_iter, dtype_iter = iter(res_out), iter(v.aval.dtype for v in jaxpr.outvars)
+    residuals, dtypes = [], []
+    for f in input_fwds:
+      residuals.append(next(res_iter) if f is None else primals[f])
+      dtypes.append(next(dtype_iter) if f is None else in_avals[f].dtype)
+    return residuals, dtypes, list(outs)
 
   def backward(*args):
     return list(bwd.call_wrapped(*args))
 
-  return fwd_jaxpr, residual_dtypes, assemble, backward
+  return fwd_jaxpr, split, backward
+
+
+def closed_over_perturbed() -> Exception:
+  """JAX's error for a custom_vjp differentiated with respect to a value its primal closes over
+  (a const of the eqn), which its rules do not cover."""
+  return _ad.CustomVJPException()
 
 
 def instantiate(ct, aval) -> Any:
   """A cotangent as an array: symbolic zeros (and None) become zeros of ``aval``."""
-  if ct is None or type(ct).__name__ in ("Zero", "SymbolicZero"):
+  if is_symbolic_zero(ct):
     return jnp.zeros(aval.shape, aval.dtype)
   return ct
+
+
+# --- a primitive of jaxamp's own: float32 cotangents of cast-down operands (weight_grads.py) ---
+
+
+def bilinear_primitive(
+  name: str,
+  impl: Callable[..., Any],
+  abstract_eval: Callable[..., Any],
+  transpose_lhs: Callable[..., Any],
+  transpose_rhs: Callable[..., Any],
+  batch: Callable[..., tuple[Any, Any]],
+) -> Any:
+  """A new primitive, bilinear in its two operands as ``dot_general`` is.
+
+  It is evaluated and lowered as ``impl(lhs, rhs, **params)`` and typed by
+  ``abstract_eval(lhs_aval, rhs_aval, **params)``; JAX differentiates it as a bilinear map and
+  transposes it by ``transpose_lhs`` / ``transpose_rhs`` (``rule(ct, lhs, rhs, **params)``, the
+  operand transposed for given as something with its ``.aval``); ``batch(args, dims, **params)``
+  returns ``(out, out_dim)`` under ``vmap``.
+  """
+  from jax.interpreters import ad, batching, mlir
+
+  primitive = jex_core.Primitive(name)
+  primitive.def_impl(impl)
+  primitive.def_abstract_eval(abstract_eval)
+  mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=False))
+  ad.defbilinear(primitive, transpose_lhs, transpose_rhs)
+  batching.primitive_batchers[primitive] = batch
+  return primitive
+
+
+def bilinear_transpose(primitive, ct, operands: Sequence[Any], linear: int, params) -> Any:
+  """The cotangent of operand ``linear`` of a bilinear ``primitive`` (``dot_general``,
+  ``conv_general_dilated``) at ``ct``, by JAX's own transpose rule; of ``operands[linear]`` only
+  the type (``.aval``) is read."""
+  from jax.interpreters import ad
+
+  args = list(operands)
+  args[linear] = ad.UndefinedPrimal(args[linear].aval)
+  return ad.primitive_transposes[primitive](ct, *args, **params)[linear]
+
+
+def bind_like(eqn, fun: Callable[..., Any], args: Sequence[Any]) -> Any:
+  """``fun(*args)``, traced with ``eqn``'s source line and name stack, as ``bind`` binds."""
+  name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+  with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    return fun(*args)
+
+
+def traced_now(value) -> bool:
+  """Whether ``value`` is a tracer of the transformation being traced now (for instance the
+  ``vmap`` a custom JVP rule is batched by, whose unbatched inputs are plain values)."""
+  return isinstance(value, _core.Tracer) and value._trace is _core.trace_ctx.trace

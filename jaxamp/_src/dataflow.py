@@ -21,6 +21,16 @@ LAYOUT = frozenset({p.broadcast_in_dim_p, p.reshape_p, p.squeeze_p, p.transpose_
 # ... and casts, which keep where a value comes from too (a cast parameter is a parameter).
 KEEPS_PROVENANCE = LAYOUT | {p.convert_element_type_p}
 
+# What each dim of a value varies along: per dim, the origins of its extent. A value varies
+# along its own dims ({"own"}; size-1 dims along nothing); a low-precision matmul's output
+# along the free dims of one operand ({"lhs"} or {"rhs"}) or along both ({"other"}: batch dims,
+# a conv's spatial dims); layout changes move, merge and drop these, and a broadcast's new dims
+# vary along nothing.
+Dims = tuple[frozenset, ...]
+OWN, OTHER = frozenset({"own"}), frozenset({"other"})
+LHS, RHS = frozenset({"lhs"}), frozenset({"rhs"})
+NOWHERE = frozenset()
+
 
 class Provenance:
   """The facts about one jaxpr's values that the cast rules read.
@@ -32,6 +42,9 @@ class Provenance:
     lowered: outputs of low-precision dots and convs, and their layout changes.
     weak: vars holding a converted Python scalar or a fill: they follow the other operand.
     fills: var -> the ``broadcast_in_dim`` of a literal that made it (remade in any dtype).
+    dims: var -> what each of its dims varies along (``Dims``), for layout changes and
+      matmul outputs; any other value varies along its own dims.
+    constants: var -> its value, for rank-0 invars of a body that receive a Python scalar.
   """
 
   def __init__(self):
@@ -41,6 +54,8 @@ class Provenance:
     self.lowered: set[Any] = set()
     self.weak: set[Any] = set()
     self.fills: dict[Any, Any] = {}
+    self.dims: dict[Any, Dims] = {}
+    self.constants: dict[Any, Any] = {}
 
   def root(self, atom) -> Any:
     return self.source.get(atom, atom)
@@ -51,10 +66,32 @@ class Provenance:
       source = eqn.invars[0]
       if not compat.is_literal(source):
         self.source[eqn.outvars[0]] = self.root(source)
+        self.dims[eqn.outvars[0]] = layout_dims(eqn, self.dims_of(source))
         if eqn.primitive in LAYOUT and source in self.lowered:
           self.lowered.add(eqn.outvars[0])
       return
     self.computed.update(eqn.outvars)
+
+  def note_matmul(self, eqn) -> None:
+    """A low-precision dot or conv: its output stays low under a bias add, and its dims vary
+    along its operands' free dims (``matmul_dims``)."""
+    self.lowered.update(eqn.outvars)
+    self.dims[eqn.outvars[0]] = matmul_dims(eqn)
+
+  def dims_of(self, atom) -> Dims:
+    """What each dim of ``atom`` varies along (``Dims``)."""
+    found = None if compat.is_literal(atom) else self.dims.get(atom)
+    if found is not None:
+      return found
+    return tuple(OWN if size != 1 else NOWHERE for size in atom.aval.shape)
+
+  def constant(self, atom) -> Any | None:
+    """The value of a rank-0 constant known while tracing (a Python scalar or literal), or None."""
+    if atom.aval.shape:
+      return None
+    if compat.is_literal(atom):
+      return atom.val
+    return self.constants.get(self.root(atom))
 
   def note_weak_flow(self, eqn) -> None:
     """A broadcast literal is a fill, and a layout change of a weak value is weak."""
@@ -101,9 +138,81 @@ class Provenance:
         (self.weak, facts.weak),
       ):
         theirs.update(x for x in (atom, root) if x in mine)
-      if atom in self.fills:
-        facts.fills[atom] = self.fills[atom]
+      for mine, theirs in (
+        (self.fills, facts.fills),
+        (self.dims, facts.dims),
+        (self.constants, facts.constants),
+      ):
+        theirs.update((x, mine[x]) for x in (atom, root) if x in mine)
     return facts
+
+
+def is_bias_of(out: Dims, bias: Dims) -> bool:
+  """Whether an addend varying along ``bias``'s dims is the bias of the matmul output ``out``:
+  it varies along the free dims of one operand at most, as a linear or conv bias varies along
+  the weight's output features only. An addend with batch or sequence extent (an attention
+  mask over queries and keys, a positional embedding) is not a bias."""
+  origins = frozenset().union(*(o for o, b in zip(out, bias, strict=True) if b))
+  return origins <= {"lhs"} or origins <= {"rhs"}
+
+
+def matmul_dims(eqn) -> Dims:
+  """What each dim of a dot's or conv's output varies along: an operand's free dims along it
+  (a conv's output features along the kernel), batch and spatial dims along "other"."""
+  ndim = eqn.outvars[0].aval.ndim
+  if eqn.primitive is p.dot_general_p:
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    lhs_free = eqn.invars[0].aval.ndim - len(lhs_contract) - len(lhs_batch)
+    rhs_free = eqn.invars[1].aval.ndim - len(rhs_contract) - len(rhs_batch)
+    return (OTHER,) * len(lhs_batch) + (LHS,) * lhs_free + (RHS,) * rhs_free
+  if eqn.primitive is p.conv_general_dilated_p:
+    feature = eqn.params["dimension_numbers"].out_spec[1]
+    return tuple(RHS if d == feature else OTHER for d in range(ndim))
+  return (OTHER,) * (ndim - 1) + (RHS,)  # ragged dot: the last dim is the weight's
+
+
+def layout_dims(eqn, dims: Dims) -> Dims:
+  """``dims`` moved through a layout change or cast ``eqn``."""
+  primitive, params = eqn.primitive, eqn.params
+  out_shape = eqn.outvars[0].aval.shape
+  if primitive is p.transpose_p:
+    return tuple(dims[d] for d in params["permutation"])
+  if primitive is p.squeeze_p:
+    dropped = {d % len(dims) for d in params["dimensions"]}
+    return tuple(d for i, d in enumerate(dims) if i not in dropped)
+  if primitive is p.broadcast_in_dim_p:
+    out = [NOWHERE] * len(out_shape)
+    in_shape = eqn.invars[0].aval.shape
+    for i, d in enumerate(params["broadcast_dimensions"]):
+      out[d] = dims[i] if in_shape[i] == out_shape[d] else NOWHERE
+    return tuple(out)
+  if primitive is p.reshape_p:
+    return _reshape_dims(eqn.invars[0].aval.shape, out_shape, dims, params.get("dimensions"))
+  return dims  # casts and copies
+
+
+def _reshape_dims(in_shape, out_shape, dims: Dims, permutation) -> Dims:
+  """A reshape's dims: each output dim varies along what the input dims it overlaps in the
+  row-major layout vary along (a merge unites them, a split shares them)."""
+  if permutation is not None:  # a transposing reshape: every output dim may mix every input
+    everything = frozenset().union(*dims)
+    return tuple(everything if size != 1 else NOWHERE for size in out_shape)
+  in_spans, out_spans = _stride_spans(in_shape), _stride_spans(out_shape)
+  return tuple(
+    frozenset().union(
+      *(d for d, (ilo, ihi) in zip(dims, in_spans, strict=True) if max(lo, ilo) < min(hi, ihi))
+    )
+    for lo, hi in out_spans
+  )
+
+
+def _stride_spans(shape) -> list[tuple[int, int]]:
+  """Per dim, the range of row-major strides it spans: [stride, stride * size)."""
+  spans, stride = [], 1
+  for size in reversed(shape):
+    spans.append((stride, stride * size))
+    stride *= size
+  return spans[::-1]
 
 
 def is_weak_atom(atom, value=None) -> bool:

@@ -5,8 +5,10 @@ input types and the context, so a layer jitted once and called many times is rew
 Loop carries and branch outputs keep the types they were declared with; casts of loop
 invariants (scan and while consts, i.e. the weights) are hoisted out of the loop body.
 Custom derivative rules are kept: the primal body and the rule are both autocast, and the
-cotangents a custom_vjp's backward returns come back in its inputs' dtypes. A custom_vjp whose
-``fwd`` rule or primal is a ``custom_fwd(cast_inputs=...)`` function is that one region as a whole.
+cotangents a custom_vjp's backward returns come back in its inputs' dtypes. The rules see what
+JAX shows them: a custom_vjp's ``fwd`` which inputs are perturbed, ``symbolic_zeros`` rules their
+symbolic zeros. A custom_vjp whose ``fwd`` rule or primal is a ``custom_fwd(cast_inputs=...)``
+function is that one region as a whole.
 """
 
 from __future__ import annotations
@@ -57,6 +59,18 @@ def weak_inputs(eqn, env: Env) -> list[bool]:
   return [not compat.is_literal(a) and a in env.facts.weak for a in eqn.invars]
 
 
+def known_constants(atoms, ctx: Context) -> tuple:
+  """The Python scalars among ``atoms`` that do not fit the policy's 16-bit dtype (None for
+  every other atom): inside the body they make arithmetic compute in float32, as outside
+  (``rules.SCALAR_OPMATH``). Scalars that fit change nothing and stay out of the cache key."""
+  constants = []
+  for atom in atoms:
+    fits = not compat.is_literal(atom) or atom.aval.shape
+    fits = fits or casting.fits(atom.val, ctx.policy.dtype)
+    constants.append(None if fits else float(atom.val))
+  return tuple(constants) if any(c is not None for c in constants) else ()
+
+
 def computed_inputs(env: Env, atoms) -> tuple[bool, ...]:
   """Which of ``atoms`` are activations computed outside the body (``is_computed``)."""
   return tuple(env.facts.is_computed(a) for a in atoms)
@@ -77,6 +91,7 @@ def rewrite(
   hoist: int = 0,
   path: str = "",
   computed: tuple[bool, ...] = (),
+  constants: tuple = (),
 ) -> tuple[compat.ClosedJaxpr, tuple]:
   """``jaxpr`` rewritten for ``in_avals`` under ``ctx``, and the casts hoisted out of it.
 
@@ -88,6 +103,7 @@ def rewrite(
       ``((invar index, dtype), ...)`` and taken as extra leading inputs of the result (placed
       after the ``hoist`` invariants), to be computed once outside the loop.
     computed: which invars are activations computed outside (``evaluate``'s argument).
+    constants: the values of invars known while tracing (``known_constants``).
   """
   # Consts by id: a cached rewrite holds the consts it uses, so their ids stay theirs meanwhile.
   key = (
@@ -98,6 +114,7 @@ def rewrite(
     out_dtypes,
     hoist,
     computed,
+    constants,
   )
   recording = interpreter.current_recorder() is not None
   hit = None if recording else _rewrites.get(key)
@@ -109,7 +126,9 @@ def rewrite(
       ctx, casts=casting.CastCache(hoistable=frozenset(jaxpr.invars[:hoist])), record=False
     )
     compat.trace(
-      lambda *args: _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, discovery, computed),
+      lambda *args: _evaluate_body(
+        jaxpr, consts, args, ctx, out_dtypes, discovery, computed, constants
+      ),
       in_avals,
     )
     hoisted = tuple((jaxpr.invars.index(var), dtype) for var, dtype in discovery.casts.hoisted)
@@ -125,7 +144,8 @@ def rewrite(
       (jaxpr.invars[i], dtype): extra for (i, dtype), extra in zip(hoisted, extras, strict=True)
     }
     env = Env(ctx, path, casts=casting.CastCache(precast=precast))
-    return _evaluate_body(jaxpr, consts, (*invariants, *rest), ctx, out_dtypes, env, computed)
+    args = (*invariants, *rest)
+    return _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed, constants)
 
   closed = compat.trace(body, (*in_avals[:hoist], *extra_avals, *in_avals[hoist:]))
   if recording:
@@ -134,8 +154,8 @@ def rewrite(
   return closed, hoisted
 
 
-def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed):
-  outs = evaluate(jaxpr, consts, args, ctx, env=env, computed=computed)
+def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed, constants):
+  outs = evaluate(jaxpr, consts, args, ctx, env=env, computed=computed, constants=constants)
   if out_dtypes is None:
     return outs
   return [cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
@@ -173,11 +193,18 @@ def _rewrite_call(closed, eqn, invals, env, ctx, weak: Sequence[bool] = ()):
     ctx,
     path=sub_path(env.path, eqn),
     computed=computed_inputs(env, eqn.invars),
+    constants=known_constants(eqn.invars, ctx),
   )
   return new
 
 
 def _jit_rule(eqn, invals, env, ctx):
+  new = _rewrite_call(eqn.params["jaxpr"], eqn, invals, env, ctx, weak_inputs(eqn, env))
+  return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
+
+
+def _composite_rule(eqn, invals, env, ctx):
+  """A ``lax.composite`` is autocast like any call; its name and attributes stay."""
   new = _rewrite_call(eqn.params["jaxpr"], eqn, invals, env, ctx, weak_inputs(eqn, env))
   return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
@@ -355,25 +382,54 @@ def _autocast_primal(eqn, invals, env, ctx) -> tuple[compat.ClosedJaxpr, list]:
 
 
 def _custom_jvp_rule(eqn, invals, env, ctx):
+  """The primal autocast, and the JVP rule autocast and traced for the tangents JAX gives it.
+
+  A ``symbolic_zeros`` rule sees the inputs whose tangent is a symbolic zero as JAX shows
+  them; any other rule gets zeros for them, as JAX gives it. Values the primal closes over
+  (consts) get no tangent, as in JAX.
+  """
   num_consts = eqn.params["num_consts"]
+  sees_zeros = eqn.params["symbolic_zeros"]
   body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
-  rule_jaxpr = compat.custom_jvp_rule_jaxpr(eqn)
+  rule = compat.custom_jvp_rule(eqn)
+  path = sub_path(env.path, eqn, "jvp")
 
   @jax.custom_jvp
   def autocast_fun(*xs):
     return compat.jaxpr_as_fun(body)(*xs)
 
-  @autocast_fun.defjvp
   def autocast_fun_jvp(primals, tangents):
-    jaxpr, consts = rule_jaxpr()
-    primals, tangents = primals[num_consts:], tangents[num_consts:]
-    outs = evaluate(jaxpr, consts, [*primals, *tangents], ctx, path=sub_path(env.path, eqn, "jvp"))
-    n = len(outs) // 2
-    out_primals = _match(outs[:n], out_dtypes)
-    out_tangents = _match(outs[n:], out_dtypes)
-    return out_primals, out_tangents
+    primals, tangents = list(primals[num_consts:]), list(tangents[num_consts:])
+    if not sees_zeros:
+      tangents = [_instantiate_tangent(p, t) for p, t in zip(primals, tangents, strict=True)]
+    zeros = [compat.is_symbolic_zero(t) for t in tangents]
+    jaxpr, consts, out_zeros = rule(zeros)
+    nonzero = [t for t, zero in zip(tangents, zeros, strict=True) if not zero]
+    n = len(out_zeros)
 
+    # Tangents are computed values: cast as such (never clipped), the rule stays linear in them.
+    computed = (False,) * len(primals) + (True,) * len(nonzero)
+    outs = evaluate(jaxpr, consts, [*primals, *nonzero], ctx, path=path, computed=computed)
+    outs, nonzero_out = outs[:n], outs[n:]
+    outs = _match(outs, out_dtypes)
+    nonzero_dtypes = [d for d, zero in zip(out_dtypes, out_zeros, strict=True) if not zero]
+    nonzero_out = iter(_match(nonzero_out, nonzero_dtypes))
+    out_tangents = [
+      jax.custom_derivatives.SymbolicZero.from_primal_value(out) if zero else next(nonzero_out)
+      for out, zero in zip(outs, out_zeros, strict=True)
+    ]
+    return outs, out_tangents
+
+  autocast_fun.defjvp(autocast_fun_jvp, symbolic_zeros=True)
   return list(autocast_fun(*invals))
+
+
+def _instantiate_tangent(primal, tangent):
+  """A tangent as JAX gives it to a rule without ``symbolic_zeros``: a symbolic zero becomes
+  zeros (float0 ones for an integer primal)."""
+  if compat.is_symbolic_zero(tangent):
+    return jax.custom_derivatives.zero_from_primal(primal)
+  return tangent
 
 
 _backward_policy: contextvars.ContextVar = contextvars.ContextVar(
@@ -399,7 +455,7 @@ def _custom_fwd_region(jaxpr) -> regions.OpRegion | None:
   return found
 
 
-def _enter_custom_fwd(eqn, invals, env, ctx) -> tuple[list, Context]:
+def _enter_custom_fwd(eqn, invals, env, ctx, fwd_jaxpr) -> tuple[list, Context]:
   """A custom_vjp whose ``fwd`` rule (torch's spelling) or primal (JAX's) is a
   ``custom_fwd(cast_inputs=...)`` function is that region as a whole: its floating inputs are
   cast to the region's dtype, and primal, ``fwd`` and ``custom_bwd`` all run with autocast off.
@@ -407,13 +463,15 @@ def _enter_custom_fwd(eqn, invals, env, ctx) -> tuple[list, Context]:
   torch's ``autograd.Function`` has one forward; a custom_vjp has two, the primal (run when
   nothing is differentiated) and ``fwd`` (run under ``grad``/``vjp``), which must agree in
   dtypes. Inside an op call (``ctx.op``) everything already runs natively: nothing changes.
+  ``fwd`` is looked at as JAX would call it now: with the inputs a differentiation under way
+  perturbs flagged (none when nothing is differentiated now).
   """
   if ctx.op is not None:
     return invals, ctx
   region = _custom_fwd_region(eqn.params["call_jaxpr"].jaxpr)
   if region is None:
-    fwd_jaxpr, _, _, _ = compat.custom_vjp_rules(eqn)
-    region = _custom_fwd_region(fwd_jaxpr()[0])
+    perturbed = tuple(compat.perturbed(v) for v in invals[eqn.params["num_consts"] :])
+    region = _custom_fwd_region(fwd_jaxpr(perturbed)[0])
   if region is None:
     return invals, ctx
   cast = [
@@ -424,52 +482,74 @@ def _enter_custom_fwd(eqn, invals, env, ctx) -> tuple[list, Context]:
 
 
 def _custom_vjp_rule(eqn, invals, env, ctx):
+  """The primal autocast, and ``fwd`` autocast and traced for the inputs JAX says are perturbed.
+
+    The autocast custom_vjp takes its ``fwd``'s inputs with their perturbed flags
+    (``symbolic_zeros``) and traces the original ``fwd`` with them, so a rule that checks them
+    (Equinox's ``filter_custom_vjp`` asserts its non-differentiable inputs are not perturbed)
+    sees what it would see without autocast. ``bwd`` gets zero cotangents as its
+  ``symbolic_zeros`` asks: as ``SymbolicZero`` or as zeros.
+  """
   num_consts = eqn.params["num_consts"]
-  invals, ctx = _enter_custom_fwd(eqn, invals, env, ctx)
+  sees_zeros = eqn.params["symbolic_zeros"]
+  fwd_jaxpr, split, bwd = compat.custom_vjp_rules(eqn)
+  invals, ctx = _enter_custom_fwd(eqn, invals, env, ctx, fwd_jaxpr)
   # In a custom_fwd(cast_inputs=...) region, as in torch, the backward (custom_bwd or not) runs
   # with autocast off on what the forward saved and cotangents in the outputs' dtypes; elsewhere
   # on residuals and cotangents in their traced dtypes, custom_bwd under the forward's policy.
   as_saved = ctx.op is not None and ctx.op.cast_to is not None
   bwd_policy = None if as_saved else ctx.policy
   body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
-  traced_out = [v.aval.dtype for v in eqn.outvars]
   ct_avals = body.out_avals if as_saved else [v.aval for v in eqn.outvars]
-  in_dtypes = [compat.typeof(v).dtype for v in invals]
-  fwd_jaxpr, residual_dtypes, assemble, bwd = compat.custom_vjp_rules(eqn)
+  in_avals = [compat.typeof(v) for v in invals]
+  path = sub_path(env.path, eqn, "fwd")
 
   @jax.custom_vjp
   def autocast_fun(*xs):
     return compat.jaxpr_as_fun(body)(*xs)
 
   def autocast_fwd(*xs):
-    jaxpr, consts = fwd_jaxpr()
-    res_and_outs = evaluate(
-      jaxpr, consts, list(xs[num_consts:]), ctx, path=sub_path(env.path, eqn, "fwd")
-    )
-    residuals, outs = assemble(res_and_outs, xs)
-    return _match(outs, out_dtypes), tuple(residuals)  # a list, like the primal's outputs
+    if any(x.perturbed for x in xs[:num_consts]):
+      raise compat.closed_over_perturbed()  # as JAX does, rather than a zero gradient
+    values = [x.value for x in xs]
+    jaxpr, consts = fwd_jaxpr(tuple(x.perturbed for x in xs[num_consts:]))
+    res_and_outs = evaluate(jaxpr, consts, values[num_consts:], ctx, path=path)
+    residuals, residual_dtypes, outs = split(jaxpr, res_and_outs, values)
+    # The dtypes bwd expects, as zero-size arrays: they depend on the flags fwd ran with.
+    expected = () if as_saved else tuple(map(_dtype_marker, residual_dtypes))
+    return _match(outs, out_dtypes), (tuple(residuals), expected)  # a list, like the primal's
 
-  def autocast_bwd(residuals, cts):
-    cts = [compat.instantiate(ct, aval) for ct, aval in zip(cts, ct_avals, strict=True)]
+  def cotangent(ct, aval):
+    """An output cotangent for ``bwd``: in ``aval``'s dtype, a zero as ``bwd`` takes zeros."""
+    if compat.is_symbolic_zero(ct):
+      return compat.symbolic_zero(aval) if sees_zeros else compat.instantiate(ct, aval)
+    return _match([ct], [aval.dtype])[0]
+
+  def autocast_bwd(saved, cts):
+    residuals, expected = saved
     if not as_saved:
-      residuals = _match(list(residuals), residual_dtypes())
-      cts = _match(cts, traced_out)
+      residuals = _match(list(residuals), [compat.typeof(m).dtype for m in expected])
+    cts = [cotangent(ct, aval) for ct, aval in zip(cts, ct_avals, strict=True)]
     token = _backward_policy.set(bwd_policy)
     try:
       in_cts = bwd(*residuals, *cts)
     finally:
       _backward_policy.reset(token)
-    const_cts = [
-      jnp.zeros(compat.typeof(x).shape, compat.typeof(x).dtype) for x in invals[:num_consts]
-    ]
-    in_cts = [
-      compat.instantiate(ct, compat.typeof(x))
-      for ct, x in zip(in_cts, invals[num_consts:], strict=True)
-    ]
-    return tuple(_match([*const_cts, *in_cts], in_dtypes))
+    # No cotangent (a symbolic zero) for consts, as in JAX, nor where bwd gives none.
+    in_cts = [None] * num_consts + [None if compat.is_symbolic_zero(ct) else ct for ct in in_cts]
+    return tuple(
+      ct if ct is None else _match([ct], [aval.dtype])[0]
+      for ct, aval in zip(in_cts, in_avals, strict=True)
+    )
 
-  autocast_fun.defvjp(autocast_fwd, autocast_bwd)
+  autocast_fun.defvjp(autocast_fwd, autocast_bwd, symbolic_zeros=True)
   return list(autocast_fun(*invals))
+
+
+def _dtype_marker(dtype) -> jax.Array:
+  """A zero-size array that carries ``dtype`` from ``fwd`` to ``bwd`` (a residual's leaves are
+  arrays); a dtype autocast never casts to is carried as bool."""
+  return jnp.zeros((0,), dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.bool_)
 
 
 # Higher-order primitive -> its rule: each rewrites its bodies and re-binds the primitive.
@@ -477,6 +557,7 @@ RULES = interpreter.Rules(
   higher_order={
     prims.jit_p: _jit_rule,
     prims.closed_call_p: _closed_call_rule,
+    prims.composite_p: _composite_rule,
     prims.remat_p: _remat_rule,
     prims.scan_p: _scan_rule,
     prims.while_p: _while_rule,

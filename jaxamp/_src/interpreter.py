@@ -122,8 +122,11 @@ class Env:
       return atom.aval.dtype
     return compat.typeof(self.values[atom]).dtype
 
-  def cast(self, atom, dtype: np.dtype) -> Any:
-    """The value of ``atom`` in ``dtype``, converted at most once per (variable, dtype)."""
+  def cast(self, atom, dtype: np.dtype, saturate: bool = False) -> Any:
+    """The value of ``atom`` in ``dtype``, converted at most once per (variable, dtype).
+
+    Python scalars, fills and (``saturate``) other constants keep finite values finite; a
+    computed value overflows, as in torch."""
     value = self.read(atom)
     if self.dtype(atom) == dtype:
       return value
@@ -137,7 +140,9 @@ class Env:
     if fill is not None:  # a fill in the target dtype: no convert, no float32 copy kept
       converted = compat.bind(fill, [casting.saturating_constant(fill.invars[0].val, dtype)])[0]
     else:
-      converted = self.casts.convert(value, dtype, saturate=self.facts.is_weak(atom, value))
+      weak = self.facts.is_weak(atom, value) and not self.facts.is_computed(atom)
+      saturate = saturate or weak
+      converted = self.casts.convert(value, dtype, saturate=saturate)
     if self.ctx.policy.cache_enabled:
       self.casts.made[key] = converted
     return converted
@@ -151,11 +156,13 @@ def evaluate(
   env: Env | None = None,
   path: str = "",
   computed: Sequence[bool] = (),
+  constants: Sequence[Any] = (),
 ) -> list[Any]:
   """Evaluates ``jaxpr`` on ``args`` in the current trace, casting as ``ctx``'s policy says.
 
   ``computed`` flags the invars that are activations computed outside (the others, like the
-  constvars, are parameters or constants, unless the jaxpr itself reads them as activations).
+  constvars, are parameters or constants, unless the jaxpr itself reads them as activations);
+  ``constants`` gives the values of invars known while tracing (Python scalars; None if not).
   """
   env = env if env is not None else Env(ctx, path)
   inherited = ctx.op.instance if ctx.op is not None else None
@@ -166,6 +173,9 @@ def evaluate(
     env.values[var] = value
     env.region[var] = inherited
   env.facts.computed.update(var for var, flag in zip(jaxpr.invars, computed, strict=False) if flag)
+  env.facts.constants.update(
+    (var, value) for var, value in zip(jaxpr.invars, constants, strict=False) if value is not None
+  )
   env.facts.activations.update(dataflow.body_activations(jaxpr))
   last_read = _last_reads(jaxpr)
   last_use = _dying_at(last_read, len(jaxpr.eqns))

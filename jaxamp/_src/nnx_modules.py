@@ -34,6 +34,17 @@ def is_module(fun: Any) -> bool:
   return nnx is not None and isinstance(fun, nnx.Module) and callable(fun)
 
 
+def register_data_type(type_: type) -> None:
+  """Makes nnx Modules take ``type_`` values as data attributes (once flax.nnx is imported).
+
+  nnx decides on assignment whether an attribute is data (state, traversed by ``nnx.split``) or
+  static; a pytree of an unregistered type holding a module is an error there.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None:
+    nnx.register_data_type(type_)
+
+
 def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
   """``module(*args, **kwargs)``: what ``autocast(module)`` runs, with the module an argument."""
   return module(*args, **kwargs)

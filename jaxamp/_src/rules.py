@@ -20,10 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxamp._src import casting, compat, op_calls
+from jaxamp._src import casting, compat, dataflow, op_calls, weight_grads
 from jaxamp._src.policy import Policy
 from jaxamp._src.table import LOW_DTYPES, NO_16_BIT_KERNELS, Category
 
@@ -61,6 +63,7 @@ DESCRIPTIONS = {
   "higher-order": "higher-order: body rewritten",
   "weak scalar": "native: a Python scalar follows the other operand",
   "bias add": "lower: bias add of a low-precision dot/conv",
+  "explicit precision": "explicit precision=: runs in the traced dtypes",
 }
 
 
@@ -105,6 +108,38 @@ COMBINER_PARAM = {
 # Primitives that compute in the low dtype: their outputs are ``lowered`` (a bias added to them
 # stays low), and inside a LOWER op everything they read is cast.
 MATMULS = frozenset({p.dot_general_p, p.conv_general_dilated_p, p.ragged_dot_general_p})
+
+
+# Arithmetic and comparisons with a Python scalar: torch computes them in float32 ("opmath")
+# and rounds the result to the 16-bit dtype. A scalar that fits the 16-bit dtype gives the same
+# answer in it; one that does not (``x * 1e5`` in float16) makes the op compute in float32.
+SCALAR_OPMATH = frozenset(
+  {
+    p.add_p,
+    p.sub_p,
+    p.mul_p,
+    p.div_p,
+    p.rem_p,
+    p.pow_p,
+    p.max_p,
+    p.min_p,
+    p.clamp_p,
+    p.atan2_p,
+    p.nextafter_p,
+    p.lt_p,
+    p.le_p,
+    p.gt_p,
+    p.ge_p,
+    p.eq_p,
+    p.ne_p,
+  }
+)
+
+
+# Primitives that map each operand to its own result (sorting keys and values together, or a
+# barrier, or a transfer): an operand that shared a dtype with another when traced need not now.
+# Every other primitive gets operands equal-typed when traced equal-typed again.
+INDEPENDENT_OPERANDS = frozenset({p.optimization_barrier_p, p.sort_p, p.device_put_p})
 
 
 def keeps_dtypes(eqn, higher_order: Any) -> bool:
@@ -171,16 +206,22 @@ def cast_inputs(
   policy: Policy,
   select: Sequence[bool] | None = None,
   cast_to: np.dtype | None = None,
+  saturate: Sequence[bool] | None = None,
 ) -> list:
   """The eqn's input values, the selected eligible floating ones cast as ``category`` says
-  (to ``cast_to`` whatever the category, when given)."""
+  (to ``cast_to`` whatever the category, when given); those flagged in ``saturate`` keep
+  finite values finite."""
   atoms = eqn.invars
   select = [True] * len(atoms) if select is None else select
   floats = [s and casting.is_eligible(env.dtype(a)) for a, s in zip(atoms, select, strict=True)]
   target = cast_to if cast_to is not None else CAST_TARGETS[category](atoms, floats, env, policy)
   if target is None:
     return [env.read(a) for a in atoms]
-  return [env.cast(a, target) if f else env.read(a) for a, f in zip(atoms, floats, strict=True)]
+  saturate = [False] * len(atoms) if saturate is None else saturate
+  return [
+    env.cast(a, target, saturate=s) if f else env.read(a)
+    for a, f, s in zip(atoms, floats, saturate, strict=True)
+  ]
 
 
 def primitive_category(eqn, policy: Policy) -> Category:
@@ -225,7 +266,7 @@ def by_category(eqn, env: Env, ctx: Context) -> Applied:
   invals = cast_inputs(category, eqn, env, ctx.policy)
   outs, ran_on = bind_native(eqn, env, ctx, invals)
   if category is Category.LOWER and eqn.primitive in MATMULS:
-    env.facts.lowered.update(eqn.outvars)
+    env.facts.note_matmul(eqn)
   env.facts.note_weak_flow(eqn)
   return Applied(outs, Ruling("category", category), ran_on)
 
@@ -247,10 +288,14 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
   """``dot_or_conv(x, W) + b`` runs in the dot's low dtype, as torch's ``linear(x, W, b)``,
   ``addmm``, ``addmv`` and ``conv`` with a bias do.
 
-  ``b`` is a bias when it is a parameter or constant (``Provenance.is_parameter``), whatever its
-  rank: flax's ``Dense`` (a broadcast vector), Equinox's ``Linear`` (``W @ x + b``) and
-  ``Conv2d`` (a ``(C, 1, 1)`` bias), under ``vmap`` too (layout changes in between keep the
-  dot's output). A computed addend is a residual (``h + linear(x)``) and promotes, as in torch.
+  ``b`` is a bias when it is a parameter or constant (``Provenance.is_parameter``) that varies
+  along the free dims of one weight operand at most (``dataflow.is_bias_of``), as a linear or
+  conv bias varies along the output features: flax's ``Dense`` (a broadcast vector),
+  Equinox's ``Linear`` (``W @ x + b``) and ``Conv2d`` (a ``(C, 1, 1)`` bias), under ``vmap``
+  too (layout changes in between keep the dot's output). A computed addend is a residual
+  (``h + linear(x)``), and an addend with batch or sequence extent (an attention mask) is not
+  a bias: both promote, as in torch. The bias is cast saturating: a parameter or constant
+  never becomes an infinity it was not.
   """
   a, b = eqn.invars
   if (
@@ -259,13 +304,37 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
     or compat.is_literal(b)
   ):
     return by_category(eqn, env, ctx)
+  facts = env.facts
   for out, bias in ((a, b), (b, a)):
-    if out in env.facts.lowered and env.facts.is_parameter(bias):
+    if (
+      out in facts.lowered
+      and facts.is_parameter(bias)
+      and dataflow.is_bias_of(facts.dims_of(out), facts.dims_of(bias))
+    ):
       out_dtype, bias_dtype = env.dtype(out), env.dtype(bias)
       if out_dtype != bias_dtype and casting.is_eligible(bias_dtype):
-        values = {out: env.read(out), bias: env.cast(bias, out_dtype)}
+        values = {out: env.read(out), bias: env.cast(bias, out_dtype, saturate=True)}
         invals = [values[a], values[b]]
-        return Applied(compat.bind(eqn, invals), Ruling("bias add", Category.LOWER), invals)
+        outs = weight_grads.bind_bias_add(eqn, env, invals)  # a float32 gradient sum
+        return Applied(outs, Ruling("bias add", Category.LOWER), invals)
+  return by_category(eqn, env, ctx)
+
+
+def explicit_precision(eqn) -> bool:
+  """Whether a matmul's caller asked for more than the default precision (``precision=HIGHEST``
+  or ``HIGH``, or a dot algorithm): an explicit request, like a ``dtype=``."""
+  precision = eqn.params.get("precision")
+  if precision is None:
+    return False
+  parts = precision if isinstance(precision, tuple | list) else (precision,)
+  return any(part is not None and part != lax.Precision.DEFAULT for part in parts)
+
+
+def _matmul(eqn, env: Env, ctx: Context) -> Applied:
+  """A dot or conv with an explicit ``precision=`` runs in its traced dtypes, as the caller
+  asked (diffrax's Runge-Kutta combination uses ``precision=HIGHEST``); others by category."""
+  if explicit_precision(eqn):
+    return traced_dtypes(eqn, env, ctx, Ruling("explicit precision"))
   return by_category(eqn, env, ctx)
 
 
@@ -273,6 +342,7 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
 PRIMITIVE_RULES: dict[Any, Rule] = {
   p.convert_element_type_p: _convert,
   p.add_p: _add,
+  **dict.fromkeys(MATMULS, _matmul),
 }
 
 
@@ -280,10 +350,21 @@ PRIMITIVE_RULES: dict[Any, Rule] = {
 
 
 def op_entry(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
-  """Values entering the op are cast by its category; inside, everything runs natively."""
+  """Values entering the op are cast by its category; inside, everything runs natively.
+
+  A parameter or constant entering other than as a matmul operand (an attention mask added to
+  the scores) is cast saturating, so a ``finfo(float32).min`` stays finite in 16 bits.
+  """
   entering = [not compat.is_literal(a) and env.region.get(a) != call.instance for a in eqn.invars]
+  constants = [not env.facts.is_computed(a) for a in eqn.invars]
   invals = cast_inputs(
-    call.category, eqn, env, ctx.policy, select=entering, cast_to=call.region.cast_to
+    call.category,
+    eqn,
+    env,
+    ctx.policy,
+    select=entering,
+    cast_to=call.region.cast_to,
+    saturate=constants,
   )
   return _bind_in_op(eqn, env, ctx, call, invals)
 
@@ -327,9 +408,12 @@ def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
 
 
 def _matmul_in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
-  """A low-precision op's own products run low too, not only what enters it."""
+  """A low-precision op's own products run low too, not only what enters it; one with an
+  explicit ``precision=`` runs in its traced dtypes."""
   if call.category is not Category.LOWER:
     return op_entry(eqn, env, ctx, call)
+  if explicit_precision(eqn) and call.region.cast_to is None:
+    return traced_dtypes(eqn, env, ctx, op_ruling(call))
   invals = cast_inputs(call.category, eqn, env, ctx.policy, cast_to=call.region.cast_to)
   return _bind_in_op(eqn, env, ctx, call, invals)
 
@@ -364,7 +448,7 @@ def bind_native(eqn, env: Env, ctx: Context, invals: list) -> tuple[list, list]:
   higher_order = ctx.rules.higher_order.get(eqn.primitive)
   if higher_order is not None:
     return higher_order(eqn, invals, env, ctx), invals
-  invals = _equalize(eqn, invals, env)
+  invals, rounded_to = _equalize(eqn, invals, env)
   params = _result_type_params(eqn, invals) or dict(eqn.params)
   combiner = COMBINER_PARAM.get(eqn.primitive)
   if combiner and params.get(combiner) is not None:
@@ -373,10 +457,29 @@ def bind_native(eqn, env: Env, ctx: Context, invals: list) -> tuple[list, list]:
       params[combiner] = _retype_combiner(
         params[combiner], params.get("update_consts", ()), operand_dtype
       )
-  return compat.bind(eqn, invals, params), invals
+  outs = weight_grads.bind(eqn, env, invals, params)  # float32 grads of cast-down operands
+  if rounded_to is not None:
+    outs = [_round(out, rounded_to) for out in outs]
+  return outs, invals
 
 
-def _equalize(eqn, invals: list, env: Env) -> list:
+def _round(value, dtype: np.dtype) -> Any:
+  """A float32 result of a scalar op computed in float32, rounded to the 16-bit ``dtype``."""
+  if compat.typeof(value).dtype != jnp.float32:
+    return value  # a comparison's booleans
+  return casting.convert(value, dtype)
+
+
+def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:
+  """Inputs that were equal-typed when traced made equal again, widest winning, and the dtype
+  to round the results to where a scalar that does not fit the 16-bit dtype made the op compute
+  in float32 (``SCALAR_OPMATH``); None otherwise.
+
+  ``INDEPENDENT_OPERANDS`` do not compute with their operands together: theirs keep their dtypes.
+  """
+  if eqn.primitive in INDEPENDENT_OPERANDS:
+    return invals, None
+  rounded_to = None
   groups: dict[np.dtype, list[int]] = {}
   for i, atom in enumerate(eqn.invars):
     traced = atom.aval.dtype
@@ -392,6 +495,9 @@ def _equalize(eqn, invals: list, env: Env) -> list:
     strong = [compat.typeof(invals[i]).dtype for i in members if not weak[i]]
     # A Ref keeps its dtype: what is stored into it is cast instead.
     target = refs[0] if refs else casting.widest(strong or sorted(dtypes, key=str))
+    if target in LOW_DTYPES and eqn.primitive in SCALAR_OPMATH:
+      if not all(_fits(eqn.invars[i], invals[i], env, target) for i in members if weak[i]):
+        rounded_to, target = target, jnp.dtype(jnp.float32)
     for i in members:
       if compat.typeof(invals[i]).dtype == target:
         continue
@@ -399,8 +505,18 @@ def _equalize(eqn, invals: list, env: Env) -> list:
       if not compat.is_literal(atom) and invals[i] is env.read(atom):
         invals[i] = env.cast(atom, target)  # cached, and a fill is made in the target dtype
       else:
-        invals[i] = env.casts.convert(invals[i], target, saturate=weak[i])
-  return invals
+        constant = weak[i] and not env.facts.is_computed(atom)
+        invals[i] = env.casts.convert(invals[i], target, saturate=constant)
+  return invals, rounded_to
+
+
+def _fits(atom, value, env: Env, dtype: np.dtype) -> bool:
+  """Whether a scalar operand known while tracing keeps its magnitude in ``dtype`` (one not
+  known, a traced scalar, is taken to fit: it saturates as a fill does)."""
+  constant = env.facts.constant(atom)
+  if constant is None and not atom.aval.shape and not isinstance(value, jax.core.Tracer):
+    constant = value  # a closed-over rank-0 array
+  return constant is None or casting.fits(constant, dtype)
 
 
 def _result_type_params(eqn, invals) -> dict | None:

@@ -1,0 +1,404 @@
+"""Custom derivatives as JAX defines them, under autocast: ``custom_jvp`` and ``custom_vjp`` in
+the spellings JAX documents, Equinox's helpers built on them, and the libraries that rely on
+them (diffrax's adjoints, optimistix's implicit differentiation).
+
+JAX calls a custom_vjp's ``fwd`` telling it which inputs are perturbed, and a custom_jvp's rule
+with symbolic zeros for the tangents that are zero; autocast passes the same on, so a rule that
+looks (Equinox asserts its non-differentiable inputs are unperturbed) sees what it sees without
+autocast. Each test compares with float32 JAX; the custom rules here double the gradient, so
+agreeing with JAX also says the rule, not autodiff of the primal, was used.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxpr_utils
+import numpy as np
+import pytest
+from jax.custom_derivatives import SymbolicZero
+
+import jaxamp
+
+X = jax.random.normal(jax.random.key(0), (4, 8))
+W = jax.random.normal(jax.random.key(1), (8, 8)) * 0.3
+Y = jax.random.normal(jax.random.key(2), (4, 8))
+# Device type -> how far its results may be from float32's, relative to the largest value.
+POLICIES = {"cuda": 1e-2, "cpu": 5e-2}
+
+
+def cuda(fun):
+  return jaxamp.autocast(fun, device_type="cuda")
+
+
+def assert_close(actual, expected, device_type: str = "cuda") -> None:
+  """Each leaf of ``actual`` is finite, has the dtype of ``expected``'s (float32 gradients for
+  float32 parameters) and agrees with it within the policy's 16-bit rounding."""
+  actual, expected = jax.tree.leaves(actual), jax.tree.leaves(expected)
+  assert len(actual) == len(expected)
+  for a, e in zip(actual, expected, strict=True):
+    assert a.dtype == e.dtype, (a.dtype, e.dtype)
+    assert bool(jnp.all(jnp.isfinite(a)))
+    scale = float(jnp.max(jnp.abs(e)))
+    np.testing.assert_allclose(a, e, rtol=0, atol=POLICIES[device_type] * scale)
+
+
+def dense(primal, tangent):
+  """A tangent or cotangent as an array: zeros for a symbolic zero."""
+  return jnp.zeros_like(primal) if isinstance(tangent, SymbolicZero) else tangent
+
+
+# --- custom_vjp ----------------------------------------------------------------------------------
+
+
+def doubled_vjp(symbolic_zeros: bool = False, seen: list | None = None):
+  """``x * y`` with a custom_vjp whose backward doubles the gradient; a ``symbolic_zeros``
+  ``fwd`` records the perturbed flags it is called with in ``seen``."""
+
+  @jax.custom_vjp
+  def mul(x, y):
+    return x * y
+
+  def mul_fwd(x, y):
+    if symbolic_zeros:
+      seen.append((x.perturbed, y.perturbed))
+      x, y = x.value, y.value
+    return x * y, (x, y)
+
+  def mul_bwd(residuals, g):
+    x, y = residuals
+    return 2 * g * y, 2 * g * x
+
+  mul.defvjp(mul_fwd, mul_bwd, symbolic_zeros=symbolic_zeros)
+  return mul
+
+
+def test_custom_vjp_fwd_is_told_the_inputs_jax_perturbs():
+  """Under ``grad`` with respect to one input, ``fwd`` sees that one perturbed, as in JAX."""
+  seen_jax, seen_autocast = [], []
+  loss = lambda mul: lambda w, y: mul(X @ w, y).sum()
+  jax.grad(loss(doubled_vjp(True, seen_jax)))(W, Y)
+  jax.grad(cuda(loss(doubled_vjp(True, seen_autocast))))(W, Y)
+  assert set(seen_autocast) == set(seen_jax) == {(True, False)}
+
+
+@pytest.mark.parametrize("symbolic_zeros", [False, True])
+@pytest.mark.parametrize("argnums", [0, 1], ids=["grad_w", "grad_y"])
+def test_custom_vjp_gradient_with_respect_to_one_input(argnums, symbolic_zeros):
+  """The backward's gradient, float32, for either input alone."""
+  loss = lambda mul: lambda w, y: mul(X @ w, y).sum()
+  expected = jax.grad(loss(doubled_vjp(symbolic_zeros, [])), argnums)(W, Y)
+  actual = jax.grad(cuda(loss(doubled_vjp(symbolic_zeros, []))), argnums)(W, Y)
+  assert_close(actual, expected)
+
+
+def test_custom_vjp_bwd_gets_the_symbolic_zero_cotangents_jax_gives():
+  """With ``symbolic_zeros``, an output nothing depends on has a ``SymbolicZero`` cotangent."""
+
+  def split(seen):
+    @jax.custom_vjp
+    def halves(x):
+      return x * 2, x * 3
+
+    def halves_fwd(x):
+      return halves(x.value), x.value
+
+    def halves_bwd(x, cts):
+      seen.append(tuple(isinstance(ct, SymbolicZero) for ct in cts))
+      first, second = (dense(x, ct) for ct in cts)
+      return (2 * (2 * first + 3 * second),)
+
+    halves.defvjp(halves_fwd, halves_bwd, symbolic_zeros=True)
+    return halves
+
+  seen_jax, seen_autocast = [], []
+  loss = lambda halves: lambda w: halves(X @ w)[0].sum()
+  expected = jax.grad(loss(split(seen_jax)))(W)
+  actual = jax.grad(cuda(loss(split(seen_autocast))))(W)
+  assert seen_autocast == seen_jax == [(False, True)]
+  assert_close(actual, expected)
+
+
+def test_custom_vjp_nondiff_argnums_keeps_its_rule():
+  """A Python value in ``nondiff_argnums`` reaches ``fwd`` and ``bwd``; the gradient is the
+  backward's."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def scale(k, x):
+    return k * x
+
+  scale.defvjp(lambda k, x: (k * x, None), lambda k, _, g: (2 * k * g,))
+  loss = lambda w: scale(3.0, X @ w).sum()
+  assert_close(jax.grad(cuda(loss))(W), jax.grad(loss)(W))
+
+
+def test_custom_vjp_differentiated_through_a_closed_over_value_raises_as_jax_does():
+  """A gradient through a value the primal closes over is JAX's error, not a silent zero."""
+
+  def loss(w):
+    project = jax.custom_vjp(lambda x: x @ w)  # closes over w
+    project.defvjp(lambda x: (x @ w, None), lambda _, g: (g @ w.T,))
+    return project(X).sum()
+
+  with pytest.raises(Exception, match="closed-over value") as from_jax:
+    jax.grad(jax.jit(loss))(W)
+  with pytest.raises(type(from_jax.value), match="closed-over value"):
+    jax.grad(cuda(loss))(W)
+
+
+# --- custom_jvp ----------------------------------------------------------------------------------
+
+
+def doubled_jvp(symbolic_zeros: bool = False, seen: list | None = None):
+  """``a * s`` with a custom_jvp whose rule doubles the tangent; a ``symbolic_zeros`` rule
+  records which of its tangents are symbolic zeros in ``seen``."""
+
+  @jax.custom_jvp
+  def mul(a, s):
+    return a * s
+
+  def mul_jvp(primals, tangents):
+    (a, s), (ta, ts) = primals, tangents
+    if symbolic_zeros:
+      seen.append(tuple(isinstance(t, SymbolicZero) for t in tangents))
+      ta, ts = dense(a, ta), dense(s, ts)
+    return a * s, 2 * (ta * s + a * ts)
+
+  mul.defjvp(mul_jvp, symbolic_zeros=symbolic_zeros)
+  return mul
+
+
+@pytest.mark.parametrize("device_type", POLICIES)
+@pytest.mark.parametrize("argnums", [0, 1, (0, 1)], ids=["grad_w", "grad_y", "grad_both"])
+def test_custom_jvp_of_a_traced_scalar_argument_gives_the_rule_gradient(argnums, device_type):
+  """``mul(x @ w, jnp.max(y))``: the rule's tangent for the rank-0 argument is cast linearly
+  (no clip to the 16-bit range, which reverse mode could not transpose)."""
+  loss = lambda mul: lambda w, y: mul(X @ w, jnp.max(y)).sum()
+  expected = jax.grad(loss(doubled_jvp()), argnums)(W, Y)
+  actual = jax.grad(jaxamp.autocast(loss(doubled_jvp()), device_type=device_type), argnums)(W, Y)
+  assert_close(actual, expected, device_type)
+
+
+def test_custom_jvp_rule_is_told_the_tangents_jax_makes_symbolic_zeros():
+  """With ``symbolic_zeros``, the rule sees a ``SymbolicZero`` for the input not
+  differentiated, as in JAX, and its gradient is the rule's."""
+  seen_jax, seen_autocast = [], []
+  loss = lambda mul: lambda w, y: mul(X @ w, y).sum()
+  expected = jax.grad(loss(doubled_jvp(True, seen_jax)))(W, Y)
+  actual = jax.grad(cuda(loss(doubled_jvp(True, seen_autocast))))(W, Y)
+  assert set(seen_autocast) == set(seen_jax) == {(False, True)}
+  assert_close(actual, expected)
+
+
+def test_custom_jvp_nondiff_argnums_keeps_its_rule():
+  """A Python value in ``nondiff_argnums`` reaches the rule; the gradient is the rule's."""
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+  def scale(k, x):
+    return k * x
+
+  scale.defjvp(lambda k, p, t: (k * p[0], 2 * k * t[0]))
+  loss = lambda w: scale(3.0, X @ w).sum()
+  assert_close(jax.grad(cuda(loss))(W), jax.grad(loss)(W))
+
+
+def test_custom_jvp_whose_rule_calls_it_on_tangents():
+  """A rule that applies its own function to its tangents (optimistix's ``asarray``) is
+  differentiated once, not again and again."""
+
+  @jax.custom_jvp
+  def ident(x):
+    return x
+
+  ident.defjvp(lambda p, t: (ident(p[0]), 2 * ident(t[0])))
+  loss = lambda w: jnp.sum(ident(X @ w) ** 2)
+  assert_close(jax.grad(cuda(loss))(W), jax.grad(loss)(W))
+
+
+def test_custom_jvp_forward_mode_gives_the_rule_tangent():
+  """``jax.jvp`` through the autocast function uses the rule (in the policy's dtype)."""
+  fun = lambda mul: lambda w: mul(X @ w, jnp.max(w))
+  _, expected = jax.jvp(fun(doubled_jvp()), (W,), (W,))
+  _, actual = jax.jvp(cuda(fun(doubled_jvp())), (W,), (W,))
+  assert actual.dtype == jnp.float16
+  assert_close(actual.astype(jnp.float32), expected)
+
+
+# --- Equinox -------------------------------------------------------------------------------------
+
+
+def doubled_filter_vjp():
+  """``x * y`` with ``eqx.filter_custom_vjp``: ``x`` differentiable, ``y`` a non-differentiable
+  array; the backward doubles the gradient."""
+
+  @eqx.filter_custom_vjp
+  def mul(x, y):
+    return x * y
+
+  @mul.def_fwd
+  def mul_fwd(perturbed, x, y):
+    return x * y, None
+
+  @mul.def_bwd
+  def mul_bwd(residuals, g, perturbed, x, y):
+    return 2 * g * y
+
+  return mul
+
+
+def test_filter_custom_vjp_with_a_nondifferentiable_array_runs():
+  """Its ``fwd`` asserts the non-differentiable array is unperturbed: called without
+  differentiation it is not called with everything perturbed."""
+  fun = lambda w, y: doubled_filter_vjp()(X @ w, y)
+  assert_close(cuda(fun)(W, Y), fun(W, Y))
+
+
+def test_filter_custom_vjp_with_a_nondifferentiable_array_gives_the_bwd_gradient():
+  """Under ``grad``, ``fwd`` is told the non-differentiable array is unperturbed."""
+  loss = lambda w, y: doubled_filter_vjp()(X @ w, y).sum()
+  assert_close(jax.grad(cuda(loss))(W, Y), jax.grad(loss)(W, Y))
+
+
+def test_filter_custom_jvp_gives_the_rule_gradient():
+  """``y`` is not differentiated: the rule gets ``None`` for its tangent, as without autocast."""
+
+  @eqx.filter_custom_jvp
+  def mul(x, y):
+    return x * y
+
+  @mul.def_jvp
+  def mul_jvp(primals, tangents):
+    (x, y), (tx, ty) = primals, tangents
+    assert ty is None
+    return x * y, 2 * tx * y
+
+  loss = lambda w, y: mul(X @ w, y).sum()
+  assert_close(jax.grad(cuda(loss))(W, Y), jax.grad(loss)(W, Y))
+
+
+def checkpointed_loop(w, x):
+  """Three steps of ``x = tanh(x @ w)`` by ``eqx.internal.while_loop(kind="checkpointed")``, a
+  ``filter_custom_vjp`` with non-differentiable arrays; the sum of squares of the result."""
+  body = lambda carry: (carry[0] + 1, jnp.tanh(carry[1] @ w))
+  steps = eqx.internal.while_loop(
+    lambda carry: carry[0] < 3, body, (0, x), max_steps=4, kind="checkpointed"
+  )
+  return jnp.sum(steps[1] ** 2)
+
+
+def test_checkpointed_while_loop_forward():
+  """Without differentiation: the loop body's matmul autocast, the value float32's."""
+  dots = jaxpr_utils.float_dtypes_of(
+    jaxpr_utils.traced(cuda(checkpointed_loop), W, X), "dot_general"
+  )
+  assert dots == {jnp.dtype(jnp.float16)}
+  assert_close(cuda(checkpointed_loop)(W, X), checkpointed_loop(W, X))
+
+
+def test_checkpointed_while_loop_gradient():
+  grad = jax.jit(jax.grad(cuda(checkpointed_loop)))
+  assert_close(grad(W, X), jax.jit(jax.grad(checkpointed_loop))(W, X))
+
+
+# --- diffrax -------------------------------------------------------------------------------------
+
+
+ADJOINTS = ["RecursiveCheckpointAdjoint", "BacksolveAdjoint"]
+
+
+@functools.cache
+def ode_problem(adjoint_name: str):
+  """``loss(params, y0) = |y(1)|²`` for ``dy/dt = mlp(y)`` solved by Tsit5 with diffrax's
+  ``adjoint_name``, the MLP's arrays and y(0); the MLP goes in as ``args``, as
+  ``BacksolveAdjoint`` requires of what it differentiates."""
+  diffrax = pytest.importorskip("diffrax")
+  params, static = eqx.partition(eqx.nn.MLP(2, 2, 8, 1, key=jax.random.key(3)), eqx.is_array)
+  adjoint = getattr(diffrax, adjoint_name)()
+  term = diffrax.ODETerm(lambda t, y, mlp: mlp(y))
+
+  def loss(params, y0):
+    args = eqx.combine(params, static)
+    solution = diffrax.diffeqsolve(
+      term, diffrax.Tsit5(), 0.0, 1.0, 0.25, y0, args=args, adjoint=adjoint, max_steps=8
+    )
+    return jnp.sum(solution.ys[-1] ** 2)
+
+  return loss, params, jnp.array([0.5, -0.3])
+
+
+@functools.cache
+def float32_ode(adjoint_name: str):
+  """The float32 loss and its gradient, computed once per adjoint."""
+  loss, params, y0 = ode_problem(adjoint_name)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, y0)
+
+
+@pytest.mark.parametrize("device_type", POLICIES)
+@pytest.mark.parametrize("adjoint", ADJOINTS)
+def test_diffrax_solve_forward(adjoint, device_type):
+  """Without differentiation (the adjoint's custom_vjp runs its primal)."""
+  loss, params, y0 = ode_problem(adjoint)
+  actual = jax.jit(jaxamp.autocast(loss, device_type=device_type))(params, y0)
+  assert_close(actual, float32_ode(adjoint)[0], device_type)
+
+
+@pytest.mark.parametrize("device_type", POLICIES)
+@pytest.mark.parametrize("adjoint", ADJOINTS)
+def test_diffrax_solve_gradient(adjoint, device_type):
+  """Through the adjoint's custom_vjp: its ``fwd`` told which inputs are perturbed."""
+  loss, params, y0 = ode_problem(adjoint)
+  grad = jax.jit(jax.grad(jaxamp.autocast(loss, device_type=device_type), argnums=(0, 1)))
+  assert_close(grad(params, y0), float32_ode(adjoint)[1], device_type)
+
+
+# --- optimistix ----------------------------------------------------------------------------------
+
+W4 = jax.random.normal(jax.random.key(4), (4, 4)) * 0.3 + 2 * jnp.eye(4)
+B4 = jax.random.normal(jax.random.key(5), (4,))
+
+
+def residual(y, args):
+  w, b = args
+  return jnp.tanh(w @ y) + y - b
+
+
+def objective(y, args):
+  w, b = args
+  return jnp.sum((w @ y - b) ** 2) + 0.1 * jnp.sum(y**2)
+
+
+def solution(kind: str):
+  """The solution y(w, b) of a root find, least squares or minimisation by optimistix, with
+  tolerances a 16-bit residual can meet; its gradient is by implicit differentiation."""
+  optx = pytest.importorskip("optimistix")
+  tol = dict(rtol=1e-2, atol=1e-2)
+  solve = {
+    "root_find": lambda args: optx.root_find(residual, optx.Newton(**tol), jnp.zeros(4), args),
+    "least_squares": lambda args: optx.least_squares(
+      residual, optx.GaussNewton(**tol), jnp.zeros(4), args
+    ),
+    "minimise": lambda args: optx.minimise(objective, optx.BFGS(**tol), jnp.zeros(4), args),
+  }[kind]
+  return lambda w, b: solve((w, b)).value
+
+
+# Each solver under one policy: both policies are covered, and the file stays fast.
+SOLVERS = [("root_find", "cuda"), ("least_squares", "cpu"), ("minimise", "cuda")]
+
+
+@pytest.mark.parametrize("kind,device_type", SOLVERS)
+def test_optimistix_solution(kind, device_type):
+  solve = solution(kind)
+  actual = jax.jit(jaxamp.autocast(solve, device_type=device_type))(W4, B4)
+  assert_close(actual, solve(W4, B4), device_type)
+
+
+@pytest.mark.parametrize("kind,device_type", SOLVERS)
+def test_optimistix_implicit_gradient(kind, device_type):
+  """The gradient through the solution, by implicit differentiation (optimistix's default
+  ``ImplicitAdjoint``, a custom_jvp)."""
+  solve = solution(kind)
+  loss = lambda w, b: jnp.sum(solve(w, b) ** 2)
+  grad = jax.jit(jax.grad(jaxamp.autocast(loss, device_type=device_type), argnums=(0, 1)))
+  assert_close(grad(W4, B4), jax.grad(loss, argnums=(0, 1))(W4, B4), device_type)
