@@ -124,6 +124,12 @@ class Provenance:
     source = self.source.get(atom)
     return atom in self.weak or source is not None and not source.aval.shape
 
+  def saturates(self, atom, value=None) -> bool:
+    """Whether a cast of ``atom`` into a 16-bit dtype keeps finite values finite: a Python
+    scalar or fill (``is_weak``) that was not computed; a computed value overflows, as in
+    torch."""
+    return self.is_weak(atom, value) and not self.is_computed(atom)
+
   def carried(self, atoms) -> Provenance:
     """The facts about ``atoms`` alone, for a part of the jaxpr evaluated on its own."""
     facts = Provenance()

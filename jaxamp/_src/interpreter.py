@@ -140,8 +140,7 @@ class Env:
     if fill is not None:  # a fill in the target dtype: no convert, no float32 copy kept
       converted = compat.bind(fill, [casting.saturating_constant(fill.invars[0].val, dtype)])[0]
     else:
-      weak = self.facts.is_weak(atom, value) and not self.facts.is_computed(atom)
-      saturate = saturate or weak
+      saturate = saturate or self.facts.saturates(atom, value)
       converted = self.casts.convert(value, dtype, saturate=saturate)
     if self.ctx.policy.cache_enabled:
       self.casts.made[key] = converted

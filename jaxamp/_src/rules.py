@@ -505,8 +505,8 @@ def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:
       if not compat.is_literal(atom) and invals[i] is env.read(atom):
         invals[i] = env.cast(atom, target)  # cached, and a fill is made in the target dtype
       else:
-        constant = weak[i] and not env.facts.is_computed(atom)
-        invals[i] = env.casts.convert(invals[i], target, saturate=constant)
+        saturate = env.facts.saturates(atom, invals[i])
+        invals[i] = env.casts.convert(invals[i], target, saturate=saturate)
   return invals, rounded_to
 
 
