@@ -12,22 +12,15 @@ from typing import Any
 import jax
 import numpy as np
 
+import jaxamp
+
 # --- caches --------------------------------------------------------------------------------------
 
 
 def clear_all_caches() -> None:
   """JAX's caches and jaxamp's own: the next trace of anything is cold."""
   jax.clear_caches()
-  from jaxamp._src import autocast as _autocast
-  from jaxamp._src import higher_order as _higher_order
-  from jaxamp._src import regions as _regions
-
-  _autocast._traces.clear()  # autocast(f): jaxpr per input signature
-  _higher_order._rewrites.clear()  # rewritten jit/scan/cond/... bodies
-  for name in ("_library_ops_of", "_named_op"):  # traceback -> op region lookups
-    cached = getattr(_regions, name, None)
-    if hasattr(cached, "cache_clear"):
-      cached.cache_clear()
+  jaxamp.clear_caches()
 
 
 # --- timing --------------------------------------------------------------------------------------

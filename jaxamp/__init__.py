@@ -53,7 +53,26 @@ __all__ = (
 
 
 def __getattr__(name: str) -> object:
-  """Names the new home of the GradScaler accessors that were top-level before ``jaxamp.scaler``."""
+  """Names the JAX spelling of torch's names and the new home of the moved GradScaler accessors."""
   if name in scaler.__all__:
     raise AttributeError(f"jaxamp.{name} moved to jaxamp.scaler.{name}")
+  torch_spellings = {  # torch's names, answered with the JAX spelling
+    "GradScaler": (
+      "jaxamp has no GradScaler class: torch's GradScaler is an optax transformation here, "
+      "`tx = jaxamp.dynamic_loss_scale(optax.adamw(...))`, with `jaxamp.scale_loss(loss, "
+      "opt_state)` for `scaler.scale(loss)` and its other methods in `jaxamp.scaler` "
+      "(`jaxamp.scaler.get_scale(opt_state)`, ...)"
+    ),
+    "amp": (
+      "jaxamp is itself torch.amp: `jaxamp.autocast` is `torch.amp.autocast` and "
+      "`jaxamp.dynamic_loss_scale` is `torch.amp.GradScaler`"
+    ),
+    "cuda": (
+      "jaxamp has no cuda module: torch.cuda.amp.autocast() is "
+      '`jaxamp.autocast(f, device_type="cuda")` and torch.cuda.amp.GradScaler() is '
+      "`jaxamp.dynamic_loss_scale(optax...)`"
+    ),
+  }
+  if name in torch_spellings:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}: {torch_spellings[name]}.")
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

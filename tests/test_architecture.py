@@ -13,7 +13,7 @@ import pytest
 from jax.extend import core as jex_core
 
 import jaxamp
-from jaxamp._src import higher_order, interpreter, policy, rules
+from jaxamp._src import context, higher_order, policy, rules
 from jaxamp._src.table import Variant
 
 PACKAGE = pathlib.Path(jaxamp.__file__).parent
@@ -24,12 +24,11 @@ def _module_name(path: pathlib.Path) -> str:
   return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports_at_module_level(path: pathlib.Path) -> set[str]:
-  """The jaxamp modules ``path`` imports when it is imported (not inside functions or
-  ``if TYPE_CHECKING:`` blocks)."""
-  tree = ast.parse(path.read_text())
+def _imports(path: pathlib.Path) -> set[str]:
+  """The jaxamp modules ``path`` imports anywhere: at module level, inside functions and in
+  ``if TYPE_CHECKING:`` blocks alike (a cycle through any of them is still a cycle)."""
   found = set()
-  for node in tree.body:
+  for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, ast.Import):
       found.update(alias.name for alias in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -41,7 +40,7 @@ def _imports_at_module_level(path: pathlib.Path) -> set[str]:
 def _import_graph() -> dict[str, set[str]]:
   modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
   return {
-    name: {m for m in _imports_at_module_level(path) if m in modules and m != name}
+    name: {m for m in _imports(path) if m in modules and m != name}
     for name, path in modules.items()
   }
 
@@ -130,15 +129,15 @@ def test_explain_records_only_in_its_own_context():
   def record(*args):
     seen.append(args)
 
-  with interpreter.recording(record):
-    assert interpreter.current_recorder() is record
-    assert contextvars.Context().run(interpreter.current_recorder) is None
+  with context.recording(record):
+    assert context.current_recorder() is record
+    assert contextvars.Context().run(context.current_recorder) is None
     other = []
-    thread = threading.Thread(target=lambda: other.append(interpreter.current_recorder()))
+    thread = threading.Thread(target=lambda: other.append(context.current_recorder()))
     thread.start()
     thread.join()
     assert other == [None]
-  assert interpreter.current_recorder() is None
+  assert context.current_recorder() is None
 
 
 def test_explain_decisions_carry_the_category_and_op_as_data():

@@ -1,5 +1,7 @@
 """Bad input to the autocast API gets a clear error naming the valid choices."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -65,6 +67,85 @@ def test_autocast_without_a_function_is_a_decorator():
     return x @ x
 
   assert matmul(jnp.ones((2, 2))).dtype == jnp.float16
+
+
+def test_torch_spelling_with_the_device_type_first_is_a_decorator():
+  @jaxamp.autocast("cuda")
+  def matmul(x):
+    return x @ x
+
+  assert matmul(jnp.ones((2, 2))).dtype == jnp.float16
+
+
+def test_torch_spelling_equals_the_keyword_spelling_bit_for_bit():
+  x = jax.random.normal(jax.random.key(0), (8, 8))
+  f = lambda x: jnp.tanh(x @ x.T).sum(-1)  # noqa: E731
+  torch_style = jaxamp.autocast("cuda")(f)(x)
+  keyword = jaxamp.autocast(f, device_type="cuda")(x)
+  assert torch_style.dtype == keyword.dtype and torch_style.tobytes() == keyword.tobytes()
+
+
+def test_torch_spelling_decorator_takes_a_dtype():
+  @jaxamp.autocast("cuda", dtype=jnp.bfloat16)
+  def matmul(x):
+    return x @ x
+
+  assert matmul(jnp.ones((2, 2))).dtype == jnp.bfloat16
+
+
+def test_torch_spelling_with_an_agreeing_device_type_keyword_is_accepted():
+  assert jaxamp.autocast("cpu", device_type="cpu")(lambda x: x @ x)(jnp.ones((2, 2))).dtype == (
+    jnp.bfloat16
+  )
+
+
+def test_torch_spelling_with_a_disagreeing_device_type_keyword_is_a_type_error():
+  with pytest.raises(TypeError, match="two device types"):
+    jaxamp.autocast("cuda", device_type="cpu")
+
+
+def test_torch_spelling_with_a_misspelt_device_type_names_the_valid_ones():
+  with pytest.raises(ValueError, match=r"`device_type` must be one of \('cpu', 'cuda'.*got 'cdua'"):
+    jaxamp.autocast("cdua")
+
+
+def test_torch_spelling_as_a_context_manager_is_the_same_type_error():
+  messages = []
+  for make in (lambda: jaxamp.autocast("cuda"), lambda: jaxamp.autocast(device_type="cuda")):
+    with pytest.raises(TypeError, match="function transformation") as error:
+      with make():
+        pass
+    messages.append(str(error.value))
+  assert messages[0] == messages[1]
+
+
+def test_help_of_autocast_lists_every_device_type_with_its_default_dtype():
+  doc = " ".join(jaxamp.autocast.__doc__.split())
+  assert '"cuda" (also "gpu", "rocm")' in doc
+  for device_type in policy.device_types():
+    dtype = jaxamp.get_autocast_dtype(device_type).name
+    assert re.search(rf'"{device_type}" (\(also [^)]*\) )?{dtype}', doc), device_type
+
+
+@pytest.mark.parametrize(
+  "name, spelling",
+  [
+    ("GradScaler", r"jaxamp\.dynamic_loss_scale\(optax.*jaxamp\.scale_loss.*jaxamp\.scaler"),
+    ("amp", r"jaxamp is itself torch\.amp: `jaxamp\.autocast`.*`jaxamp\.dynamic_loss_scale`"),
+    ("cuda", r'jaxamp\.autocast\(f, device_type="cuda"\)'),
+  ],
+)
+def test_torch_names_raise_an_attribute_error_naming_the_jax_spelling(name, spelling):
+  with pytest.raises(
+    AttributeError, match=rf"module 'jaxamp' has no attribute '{name}': .*{spelling}"
+  ):
+    getattr(jaxamp, name)
+  assert not hasattr(jaxamp, name)
+
+
+def test_other_missing_names_raise_the_usual_attribute_error():
+  with pytest.raises(AttributeError, match=r"^module 'jaxamp' has no attribute 'GradScalar'$"):
+    jaxamp.GradScalar  # noqa: B018
 
 
 def test_non_string_device_type_is_a_type_error():

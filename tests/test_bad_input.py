@@ -78,9 +78,29 @@ def test_autocast_of_a_non_callable_is_a_type_error(fun):
     jaxamp.autocast(device_type="cuda")(fun)
 
 
-def test_autocast_device_type_is_keyword_only():
+def test_autocast_device_type_may_be_the_second_positional_argument():
+  x = jnp.ones((2, 2))
+  out = jaxamp.autocast(matmul, "cuda")(x)
+  assert out.dtype == jnp.float16
+  assert out.tobytes() == jaxamp.autocast(matmul, device_type="cuda")(x).tobytes()
+
+
+def test_autocast_options_after_the_device_type_are_keyword_only():
   with pytest.raises(TypeError, match="positional argument"):
-    jaxamp.autocast(identity, "cuda")
+    jaxamp.autocast(identity, "cuda", jnp.bfloat16)
+
+
+@pytest.mark.parametrize("device_type", ["cdua", "mps", "GPU"])
+def test_autocast_unknown_positional_device_type_is_a_value_error_naming_the_choices(device_type):
+  with pytest.raises(ValueError, match=rf"`device_type` must be one of {VALID_DEVICES}"):
+    jaxamp.autocast(device_type)
+
+
+def test_autocast_positional_device_type_disagreeing_with_device_type_is_a_type_error():
+  with pytest.raises(
+    TypeError, match=r"two device types, 'cuda' \(positional\) and device_type='cpu'"
+  ):
+    jaxamp.autocast("cuda", device_type="cpu")
 
 
 @pytest.mark.parametrize(

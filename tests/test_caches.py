@@ -299,3 +299,62 @@ def test_the_weak_lru_cache_evicts_the_oldest_and_drops_entries_of_dead_objects(
   gc.collect()
   assert len(cache) == 0
   jaxamp.clear_caches()
+
+
+def _fill_every_cache(x):
+  """A grad through autocast with a jit body, a scan, a registered op and a bias add."""
+  op = jaxamp.register_op("test_caches_fill_op", category="float32")(jnp.tanh)
+
+  def loss(w, b):
+    h = jax.jit(lambda y: y @ w + b)(x)
+    h, _ = lax.scan(lambda c, row: (c + jnp.sum(row), None), jnp.zeros(()), op(h))
+    return h
+
+  f = jaxamp.autocast(loss, device_type="cuda")
+  jax.grad(f, argnums=(0, 1))(W, jnp.ones((8,)))
+  return f
+
+
+def test_clear_caches_empties_every_registered_cache():
+  f = _fill_every_cache(_batch(0))
+  registered = caches.registered()
+  assert {"autocast.traces", "higher_order.rewrites", "regions.named_ops"} <= set(registered)
+  empty = [name for name, cache in registered.items() if cache.size() == 0]
+  assert not empty, f"_fill_every_cache leaves {empty} empty: extend it to use them"
+  jaxamp.clear_caches()
+  assert {name: cache.size() for name, cache in registered.items()} == dict.fromkeys(registered, 0)
+  del f
+
+
+def _has_float16_dot_now(f, x) -> bool:
+  """Whether ``f(x)`` traces a float16 dot, tracing ``f`` afresh: jax.make_jaxpr(f) would find
+  jax's own trace of ``f``, not call it."""
+  return jaxpr_has_float16_dot(jax.make_jaxpr(lambda y: f(y))(x))
+
+
+def _scan_of_late_op(op):
+  return lambda x: lax.scan(lambda c, row: (c + jnp.sum(op(row, W)), None), 0.0, x)[0]
+
+
+def _jit_of_late_op(op):
+  return lambda x: jnp.sum(jax.jit(lambda y: op(y, W))(x))
+
+
+@pytest.mark.parametrize("spelling", ["decorator", "library"])
+def test_a_category_registered_later_reaches_ops_already_looked_up(spelling):
+  name = f"test_caches_late_{spelling}"
+  if spelling == "decorator":
+    op = jaxamp.register_op(name)(lambda a, b: a @ b)
+  else:
+
+    def op(a, b):
+      return a @ b
+
+    jaxamp.register_op(op, name=name)
+  fs = [
+    jaxamp.autocast(wrap(op), device_type="cuda") for wrap in (_scan_of_late_op, _jit_of_late_op)
+  ]
+  x = _batch(0)
+  assert all(_has_float16_dot_now(f, x) for f in fs)  # no category: the dot follows its own rule
+  jaxamp.register_op(name, category="float32")
+  assert not any(_has_float16_dot_now(f, x) for f in fs)

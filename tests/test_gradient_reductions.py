@@ -173,7 +173,7 @@ def loss_of(policy, model=NET):
 def param_gradient_dtypes(jaxpr, shapes) -> set:
   """Output dtypes of the matmuls and sums that produce a parameter's gradient (an output of
   one of the parameter ``shapes``, up to a transpose), as run on GPU and TPU: the branches
-  ``lax.platform_dependent`` takes on CPU are skipped (bfloat16 on XLA:CPU, see weight_grads)."""
+  ``lax.platform_dependent`` takes on CPU are skipped (float32 operands there, see weight_grads)."""
   shapes = {tuple(sorted(shape)) for shape in shapes}
   return {
     eqn.outvars[0].aval.dtype
@@ -205,12 +205,27 @@ def test_parameter_gradients_come_out_of_float32_matmuls_and_sums(policy):
   assert LOW[policy] in param_gradient_dtypes(old, SHAPES)  # what the check catches
 
 
-def test_weight_gradient_matmuls_keep_16_bit_operands():
+@pytest.mark.parametrize("policy", ["cuda", "cpu"])
+def test_weight_gradient_matmuls_keep_16_bit_operands_off_cpu(policy):
   """The float32 gradient is a float32 *result* of the 16-bit operands (tensor cores)."""
-  jaxpr = jax.make_jaxpr(jax.grad(loss_of("cuda")))(PARAMS)
-  for _, eqn in walk(jaxpr):
+  jaxpr = jax.make_jaxpr(jax.grad(loss_of(policy)))(PARAMS)
+  for eqn in eqns_off_cpu(jaxpr):
     if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-      assert {a.aval.dtype for a in eqn.invars} == {jnp.dtype(jnp.float16)}, eqn
+      assert {a.aval.dtype for a in eqn.invars} == {LOW[policy]}, eqn
+
+
+@pytest.mark.parametrize("policy", ["cuda", "cpu"])
+def test_weight_gradient_matmuls_on_cpu_keep_their_output_transposes_unfolded(policy):
+  """XLA:CPU folds a transpose of a dot's output into the dot, which then misses its fast
+  kernel: on CPU, an optimization barrier stands between them."""
+  jaxpr = jax.make_jaxpr(jax.grad(loss_of(policy)))(PARAMS)
+  off_cpu = {id(eqn) for eqn in eqns_off_cpu(jaxpr)}
+  on_cpu = [eqn for _, eqn in walk(jaxpr) if id(eqn) not in off_cpu]
+  producers = {out: eqn.primitive.name for eqn in on_cpu for out in eqn.outvars}
+  dots = [eqn for eqn in on_cpu if eqn.primitive.name == "dot_general"]
+  transposes = [eqn for eqn in on_cpu if eqn.primitive.name == "transpose"]
+  assert dots and transposes
+  assert {producers.get(eqn.invars[0]) for eqn in transposes} == {"optimization_barrier"}
 
 
 @pytest.mark.parametrize("policy", ["cuda"])  # bfloat16 keeps its 16-bit result on XLA:CPU
@@ -271,7 +286,7 @@ def test_vmap_inside_and_outside_grad():
   # vmap inside grad batches the float32-gradient matmuls themselves (16-bit operands).
   jaxpr = jax.make_jaxpr(jax.grad(vmapped))(PARAMS)
   assert param_gradient_dtypes(jaxpr, SHAPES) == {jnp.dtype(jnp.float32)}
-  for _, eqn in walk(jaxpr):
+  for eqn in eqns_off_cpu(jaxpr):
     if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
       assert {a.aval.dtype for a in eqn.invars} == {jnp.dtype(jnp.float16)}, eqn
 

@@ -259,6 +259,83 @@ def test_backoff_has_no_floor_and_can_reach_zero():
   assert state.scale == 0.0  # 2**-150 rounds to even: zero, as in torch
 
 
+# ------------------------------------------------------------------------------------------------
+# min_scale: an optional floor (jmp, flax), off by default (torch).
+
+
+def overflow_scales(tx, steps):
+  """The scale after each of ``steps`` overflowing updates, under ``jit``."""
+  step, state, scales = jitted_update(tx), tx.init(PARAMS), []
+  for _ in range(steps):
+    _, state = step(grads_like(PARAMS, b=(0, np.nan)), state, PARAMS)
+    scales.append(float(state.scale))
+  return scales
+
+
+def test_repeated_overflows_stop_at_min_scale():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, min_scale=3.0)
+  assert overflow_scales(tx, 6) == [32.0, 16.0, 8.0, 4.0, 3.0, 3.0]
+
+
+def test_min_scale_is_reached_exactly_and_kept_by_later_growth_and_backoff():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, min_scale=4.0, growth_interval=1)
+  step, state = jitted_update(tx), tx.init(PARAMS)
+  _, state = step(grads_like(PARAMS, b=(0, np.inf)), state, PARAMS)
+  assert state.scale == 4.0 and state.found_inf and state.min_scale == 4.0
+  _, state = step(grads_like(PARAMS), state, PARAMS)
+  assert state.scale == 8.0  # the floor does not stop growth
+  _, state = step(grads_like(PARAMS, b=(0, np.inf)), state, PARAMS)
+  assert state.scale == 4.0
+
+
+def test_min_scale_never_raises_a_scale_set_below_it():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, min_scale=8.0)
+  state = jaxamp.scaler.set_scale(tx.init(PARAMS), 2.0)
+  _, state = jitted_update(tx)(grads_like(PARAMS, b=(0, np.nan)), state, PARAMS)
+  assert state.scale == 2.0
+
+
+def test_default_min_scale_is_none_and_halves_like_torch():
+  torch = pytest.importorskip("torch")
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0)
+  assert tx.init(PARAMS).min_scale is None
+  w = torch.zeros(1, requires_grad=True)
+  opt = torch.optim.SGD([w], lr=0.1)
+  torch_scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+  torch_scaler.scale(torch.ones(()))
+  torch_scales = []
+  for _ in range(8):
+    w.grad = torch.full((1,), float("nan"))
+    torch_scaler.step(opt)
+    torch_scaler.update()
+    torch_scales.append(torch_scaler.get_scale())
+  assert overflow_scales(tx, 8) == torch_scales == [4.0 / 2**k for k in range(1, 9)]
+
+
+@pytest.mark.parametrize(
+  "min_scale, error",
+  [
+    (0.0, ValueError),
+    (-1.0, ValueError),
+    (math.inf, ValueError),
+    (math.nan, ValueError),
+    (1e-50, ValueError),  # 0 in float32
+    (128.0, ValueError),  # above init_scale
+    ("1", TypeError),
+    (True, TypeError),
+    (jnp.float32(1.0), TypeError),
+  ],
+)
+def test_bad_min_scale_is_rejected_naming_the_valid_choices(min_scale, error):
+  with pytest.raises(error, match=r"`min_scale` must be None \(no floor, as in torch\) or a real "):
+    jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, min_scale=min_scale)
+
+
+def test_min_scale_equal_to_init_scale_is_accepted():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, min_scale=64)
+  assert tx.init(PARAMS).min_scale == 64.0
+
+
 @pytest.mark.parametrize(
   "init_scale, factor",
   [

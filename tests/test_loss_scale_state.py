@@ -5,6 +5,8 @@ The helpers find the scaler's state inside optax combinators (``chain``, ``Multi
 with the training loops of both flax APIs.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,6 +159,47 @@ def test_load_state_dict_restores_scale_tracker_and_hyperparameters():
   assert grown.scale == np.float32(np.float64(np.float32(100.0)) * 1.1)
   _, backed_off = step(jax.tree.map(lambda p: p * jnp.nan, PARAMS), state)
   assert backed_off.scale == np.float32(100.0 * 0.3)
+
+
+def test_state_dict_adds_min_scale_only_when_set_and_load_state_dict_restores_it():
+  floored = scaler(min_scale=2.0).init(PARAMS)
+  d = jaxamp.scaler.state_dict(floored)
+  assert list(d) == [*TORCH_KEYS, "min_scale"] and d["min_scale"] == 2.0
+  assert jaxamp.scaler.load_state_dict(scaler().init(PARAMS), d).min_scale == 2.0
+  assert jaxamp.scaler.load_state_dict(floored, dict(d, min_scale=None)).min_scale is None
+
+
+def test_load_state_dict_without_min_scale_keeps_the_programs_floor():
+  torch_dict = jaxamp.scaler.state_dict(scaler().init(PARAMS))
+  assert (
+    jaxamp.scaler.load_state_dict(scaler(min_scale=2.0).init(PARAMS), torch_dict).min_scale == 2.0
+  )
+
+
+@pytest.mark.parametrize(
+  "min_scale, error", [(0.0, ValueError), (math.inf, ValueError), ("1", TypeError)]
+)
+def test_load_state_dict_rejects_a_bad_min_scale_naming_the_valid_choices(min_scale, error):
+  d = dict(jaxamp.scaler.state_dict(scaler().init(PARAMS)), min_scale=min_scale)
+  with pytest.raises(error, match=r"`min_scale` must be None \(no floor, as in torch\) or a real"):
+    jaxamp.scaler.load_state_dict(scaler().init(PARAMS), d)
+
+
+def test_a_min_scale_state_dict_loads_into_torch_which_ignores_the_floor():
+  torch = pytest.importorskip("torch")
+  d = jaxamp.scaler.state_dict(scaler(min_scale=2.0).init(PARAMS))
+  back = torch.amp.GradScaler("cpu")
+  back.load_state_dict(d)
+  assert back.state_dict() == {k: d[k] for k in TORCH_KEYS}
+
+
+def test_flax_checkpoints_save_and_restore_min_scale():
+  from flax import serialization
+
+  saved = serialization.to_bytes(scaler(min_scale=2.0).init(PARAMS))
+  assert serialization.from_bytes(scaler().init(PARAMS), saved).min_scale == 2.0
+  unfloored = serialization.to_bytes(scaler().init(PARAMS))
+  assert serialization.from_bytes(scaler().init(PARAMS), unfloored).min_scale is None
 
 
 def test_load_state_dict_of_a_disabled_scaler_is_a_no_op():

@@ -3,6 +3,11 @@
 Each block is a complete program, executed on its own (one test per block, id ``file:line``);
 fragments are fenced as plain listings (a bare fence) and are not run. A ``print`` line with a
 trailing comment, ``print(x.dtype)  # float32``, must print what the comment says.
+
+A ``python multihost`` block (docs/scaling.md) is a program for every process of a multi-host job,
+``train.py COORDINATOR NUM_PROCESSES PROCESS_ID``: it is written to a file and run as two
+processes of two CPU devices each (``multiprocess_launcher``), and every process must print the
+commented lines.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import multiprocess_launcher
 import numpy as np
 import optax
 import pytest
@@ -23,15 +29,16 @@ import jaxamp
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", flags=re.S | re.M)
+MULTIHOST_FENCE = re.compile(r"^```python multihost[ \t]*\n(.*?)^```[ \t]*$", flags=re.S | re.M)
 CHECKED_PRINT = re.compile(r"^print\(.*\)\s+# (.*?)\s*$")
 
 
-def python_blocks() -> list:
+def python_blocks(fence: re.Pattern = FENCE) -> list:
   """One ``pytest.param(document, code, first_line)`` per ``python`` block, id ``file:line``."""
   params = []
   for path in DOCUMENTS:
     text = path.read_text()
-    for match in FENCE.finditer(text):
+    for match in fence.finditer(text):
       line = text.count("\n", 0, match.start(1)) + 1  # the block's first line of code
       document = str(path.relative_to(ROOT))
       params.append(pytest.param(document, match.group(1), line, id=f"{document}:{line}"))
@@ -39,6 +46,7 @@ def python_blocks() -> list:
 
 
 BLOCKS = python_blocks()
+MULTIHOST_BLOCKS = python_blocks(MULTIHOST_FENCE)
 
 
 def test_the_documents_have_python_blocks():
@@ -66,6 +74,24 @@ def test_documented_program_runs(document, code, first_line, tmp_path, monkeypat
     if expected:
       assert printed.get(lineno), f"{document}:{lineno} printed nothing"
       assert printed[lineno][-1] == expected.group(1), f"{document}:{lineno} printed"
+
+
+def test_docs_scaling_has_multihost_programs():
+  assert any(p.id.startswith("docs/scaling.md:") for p in MULTIHOST_BLOCKS)
+
+
+@pytest.mark.parametrize("document, code, first_line", MULTIHOST_BLOCKS)
+def test_documented_multihost_program_runs_in_two_processes(document, code, first_line, tmp_path):
+  program = tmp_path / "train.py"
+  program.write_text("\n" * (first_line - 1) + code)  # tracebacks give the document's lines
+  results = multiprocess_launcher.run_processes(str(program), cwd=str(tmp_path), timeout=240)
+  for process_id, result in enumerate(results):
+    assert result.returncode == 0, f"process {process_id}: {result.stderr[-5000:]}"
+    printed = result.stdout.splitlines()
+    for lineno, text in enumerate(code.splitlines(), first_line):
+      expected = CHECKED_PRINT.match(text)
+      if expected:
+        assert expected.group(1) in printed, f"{document}:{lineno} in process {process_id}"
 
 
 # --- claims of the documents that running their blocks does not check ---------------------------

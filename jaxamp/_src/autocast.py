@@ -21,6 +21,7 @@ import numpy as np
 from jaxamp._src import (
   caches,
   compat,
+  context,
   higher_order,
   interpreter,
   nnx_modules,
@@ -31,26 +32,29 @@ from jaxamp._src import (
 _TRACE_CACHE_SIZE = 512
 # Traces by function and signature. The function, a bound method's instance and static
 # arguments are held weakly: a trace (and the arrays it closes over) goes with them.
-_traces = caches.WeakLRUCache(_TRACE_CACHE_SIZE)
+_traces = caches.weak_lru_cache("autocast.traces", _TRACE_CACHE_SIZE)
 
 
 def autocast(
-  fun: Callable | None = None,
-  *,
+  fun: Callable | str | None = None,
   device_type: str | None = None,
+  *,
   dtype=None,
   enabled: bool = True,
   cache_enabled: bool = True,
 ) -> Callable:
   """Runs ``fun`` with torch.amp's autocast policy for ``device_type``.
 
-  Usable as a transform, ``autocast(f, device_type="cuda")``, and as a decorator,
-  ``@autocast(device_type="cpu")``.
+  Usable as a transform, ``autocast(f, device_type="cuda")`` or ``autocast(f, "cuda")``, and as a
+  decorator, ``@autocast(device_type="cpu")`` or torch's spelling ``@autocast("cpu")`` (a device
+  type first). Not a context manager: ``with autocast(...):`` raises a ``TypeError``.
 
   Args:
-    fun: the function to transform; its arguments are pytrees of arrays and static values.
-    device_type: "cuda" (float16 by default) or "cpu" (bfloat16 by default); None picks the
-      device type of ``jax.default_backend()``.
+    fun: the function to transform; its arguments are pytrees of arrays and static values. A
+      device-type string here (torch's first argument) makes ``autocast`` return a decorator.
+    device_type: which policy, with its default ``dtype``: "cuda" (also "gpu", "rocm") float16,
+      "xpu" float16, "cpu" bfloat16, "tpu" bfloat16. None picks the device type of
+      ``jax.default_backend()``.
     dtype: the lower-precision dtype, ``jnp.float16`` or ``jnp.bfloat16``; None: the device
       type's default.
     enabled: False runs ``fun`` as written, also inside an enclosing autocast function.
@@ -70,6 +74,13 @@ def autocast(
     optimizers, ``eqx.filter``), and an nnx module's state updates (BatchNorm statistics, RNG
     counters) are written back to it. Its other attributes are the module's.
   """
+  if isinstance(fun, str):  # torch's spelling, autocast("cuda"): the device type comes first
+    if device_type is not None and device_type != fun:
+      raise TypeError(
+        f"autocast got two device types, {fun!r} (positional) and device_type={device_type!r}; "
+        "pass one."
+      )
+    fun, device_type = None, fun
   settings = policy.make_policy(device_type, dtype, cache_enabled)
   if not isinstance(enabled, bool):
     raise TypeError(f"`enabled` must be a bool; got {enabled!r}.")
@@ -94,6 +105,8 @@ class _AutocastDecorator:
     self._settings = settings
 
   def __call__(self, fun: Callable) -> Callable:
+    if isinstance(fun, str):  # a decorator applies to a function, not to a device type
+      raise TypeError(f"autocast transforms a callable; got {fun!r} of type str.")
     return autocast(fun, **self._settings)
 
   def __repr__(self) -> str:
@@ -241,7 +254,7 @@ def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> A
   """
   traced = trace(fun, args, kwargs)
   closed = traced.jaxpr
-  ctx = interpreter.Context(settings, higher_order.RULES)
+  ctx = context.Context(settings, higher_order.RULES)
   outs = interpreter.evaluate(closed.jaxpr, closed.consts, traced.arrays, ctx)
   for i, dtype in traced.state_outputs:
     if getattr(outs[i], "dtype", None) != dtype:

@@ -6,6 +6,10 @@ p))`` would keep every batch). Here keys are built with ``key_part``: functions,
 instances and other weakly referenceable objects enter a key through a weak reference, and an
 entry is dropped as soon as one of them dies, like ``jax``'s ``weakref_lru_cache``. This holds
 as long as a cached value does not itself reference its key's objects.
+
+Every cache of jaxamp registers here where it is defined (``register``, or made by
+``weak_lru_cache`` / ``lru_cache`` / ``weak_key_dict``), so ``clear_caches`` empties them all
+without knowing the modules that hold them.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import functools
 import threading
 import types
 import weakref
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 _caches: weakref.WeakSet[WeakLRUCache] = weakref.WeakSet()
@@ -199,16 +205,57 @@ class WeakLRUCache:
       self._busy = False
 
 
-_MISSING = object()
+class Registered(NamedTuple):
+  """A registered cache: how to empty it and how many entries it holds."""
+
+  clear: Callable[[], None]
+  size: Callable[[], int]
+
+
+_registry: dict[str, Registered] = {}
+
+
+def register(name: str, clear: Callable[[], None], size: Callable[[], int]) -> None:
+  """Makes ``clear_caches`` empty a cache with ``clear()``; ``size()`` counts its entries.
+
+  ``name`` (``"module.cache"``) identifies it; registering a name again replaces the entry (a
+  reloaded module's new cache replaces its old one).
+  """
+  _registry[name] = Registered(clear, size)
+
+
+def registered() -> dict[str, Registered]:
+  """The registered caches by name."""
+  return dict(_registry)
+
+
+def weak_lru_cache(name: str, maxsize: int) -> WeakLRUCache:
+  """A registered ``WeakLRUCache``."""
+  cache = WeakLRUCache(maxsize)
+  register(name, cache.clear, cache.__len__)
+  return cache
+
+
+def weak_key_dict(name: str) -> weakref.WeakKeyDictionary:
+  """A registered ``weakref.WeakKeyDictionary``."""
+  cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+  register(name, cache.clear, cache.__len__)
+  return cache
+
+
+def lru_cache(name: str, maxsize: int) -> Callable[[_F], _F]:
+  """``functools.lru_cache(maxsize)``, registered."""
+
+  def decorate(fun: _F) -> _F:
+    cached = functools.lru_cache(maxsize=maxsize)(fun)
+    register(name, cached.cache_clear, lambda: cached.cache_info().currsize)
+    return cached
+
+  return decorate
 
 
 def clear_caches() -> None:
   """Empties jaxamp's caches (traced and rewritten jaxprs, region lookups): the next call of
   an autocast function traces afresh. Like ``jax.clear_caches()``, for jaxamp's own caches."""
-  from jaxamp._src import compat, regions
-
-  compat.clear_staged()
-  for cache in _caches:
+  for cache in list(_registry.values()):
     cache.clear()
-  regions._named_op.cache_clear()
-  regions._library_ops_of.cache_clear()

@@ -27,11 +27,11 @@ from jax._src.state import types as _state_types
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as _exported
 
+from jaxamp._src import caches
+
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
-Var = jex_core.Var
-check_jaxpr = jex_core.check_jaxpr
 jaxpr_as_fun = jex_core.jaxpr_as_fun
 
 # The internals jaxamp needs, checked by tests/test_compat.py.
@@ -183,6 +183,9 @@ _staged_lock = threading.Lock()
 def clear_staged() -> None:
   with _staged_lock:
     _staged_functions.clear()
+
+
+caches.register("compat.staged_functions", clear_staged, lambda: len(_staged_functions))
 
 
 def _staged_primitive(primitive, bind_params: dict[str, Any], invals) -> Callable | None:

@@ -8,10 +8,9 @@ its body does with them (``activation_reads``).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
-from jaxamp._src import compat
+from jaxamp._src import caches, compat
 
 p = compat.primitives
 
@@ -261,7 +260,7 @@ def _activation_inputs(eqn) -> list:
   return inputs
 
 
-_body_reads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_body_reads = caches.weak_key_dict("dataflow.body_reads")
 
 
 def body_activations(jaxpr) -> set[Any]:

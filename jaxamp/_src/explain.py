@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jaxamp._src import autocast as autocast_lib
-from jaxamp._src import compat, interpreter, policy, rules
+from jaxamp._src import compat, context, policy, rules
 from jaxamp._src.table import Table
 
 
@@ -160,7 +160,7 @@ def explain(fun: Callable, *, device_type: str | None = None, dtype=None) -> Cal
       )
       autocast_lib.call(fun, settings, a, k)
 
-    with interpreter.recording(record):
+    with context.recording(record):
       jax.eval_shape(run, arrays)
     return Explanation(settings.device_type, settings.dtype.name, tuple(decisions))
 

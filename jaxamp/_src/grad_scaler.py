@@ -194,18 +194,22 @@ def state_dict(opt_state: Any) -> dict[str, Any]:
 
   The keys are torch's: ``scale``, ``growth_factor``, ``backoff_factor`` (floats),
   ``growth_interval`` and ``_growth_tracker`` (ints); ``{}`` when the scaler is disabled, so a
-  torch checkpoint's scaler entry loads here and the other way round. Reads the device (a sync).
+  torch checkpoint's scaler entry loads here and the other way round. A ``min_scale`` floor adds
+  that key (a float), which torch's ``load_state_dict`` ignores. Reads the device (a sync).
   """
   state = _find(opt_state)
   if not state.enabled:
     return {}
-  return {
+  d = {
     "scale": float(state_tree.tree_unwrap(state.scale)),
     "growth_factor": state.growth_factor,
     "backoff_factor": state.backoff_factor,
     "growth_interval": state.growth_interval,
     "_growth_tracker": int(state_tree.tree_unwrap(state.growth_tracker)),
   }
+  if state.min_scale is not None:
+    d["min_scale"] = state.min_scale
+  return d
 
 
 def _like(old: Any, value: Any, dtype: Any) -> Any:
@@ -231,7 +235,8 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
 
   Restores what torch restores: the scale (rounded to float32, as torch's ``fill_``), the growth
   tracker, and the three hyperparameters, the factors kept to the last float64 bit; extra keys are
-  ignored. ``enabled`` is not in the dict and stays as it is. A disabled scaler ignores the dict
+  ignored. ``enabled`` is not in the dict and stays as it is; so does ``min_scale`` unless the dict
+  has that key (``None`` there removes the floor). A disabled scaler ignores the dict
   (whatever it holds), as in torch. For an enabled one, an empty dict (saved from a disabled
   scaler) raises ``EmptyStateDictError``, a ``RuntimeError`` as in torch; missing keys and values
   ``dynamic_loss_scale`` would reject raise ``ValueError``/``TypeError`` (torch checks nothing).
@@ -261,6 +266,8 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
   scaler_checks.check_hyperparams(
     state_dict["growth_factor"], state_dict["backoff_factor"], state_dict["growth_interval"]
   )
+  min_scale = state_dict.get("min_scale", state.min_scale)
+  scaler_checks.check_min_scale(min_scale)
   scale = state_dict["scale"]
   if (
     isinstance(scale, jax.Array | np.ndarray)
@@ -295,6 +302,7 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
         growth_factor=float(state_dict["growth_factor"]),
         backoff_factor=float(state_dict["backoff_factor"]),
         growth_interval=int(state_dict["growth_interval"]),
+        min_scale=None if min_scale is None else float(min_scale),
       ),
     )
 

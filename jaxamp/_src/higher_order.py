@@ -21,14 +21,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._src import caches, casting, compat, interpreter, regions
-from jaxamp._src.interpreter import Context, Env, evaluate
+from jaxamp._src import caches, casting, compat, context, regions
+from jaxamp._src.context import Context, Env
+from jaxamp._src.interpreter import evaluate
 
 prims = compat.primitives
 
 _CACHE_SIZE = 1024
 # Rewritten bodies, held while their source jaxpr lives (it is in the key weakly).
-_rewrites = caches.WeakLRUCache(_CACHE_SIZE)
+_rewrites = caches.weak_lru_cache("higher_order.rewrites", _CACHE_SIZE)
 
 
 def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
@@ -108,6 +109,7 @@ def rewrite(
   # Consts by id: a cached rewrite holds the consts it uses, so their ids stay theirs meanwhile.
   key = (
     caches.key_part(jaxpr, by_identity=True),
+    regions.version(),  # a rewrite follows the op registrations made before it
     tuple(map(id, consts)),
     in_avals,
     ctx,
@@ -116,7 +118,7 @@ def rewrite(
     computed,
     constants,
   )
-  recording = interpreter.current_recorder() is not None
+  recording = context.current_recorder() is not None
   hit = None if recording else _rewrites.get(key)
   if hit is not None:
     return hit
@@ -553,7 +555,7 @@ def _dtype_marker(dtype) -> jax.Array:
 
 
 # Higher-order primitive -> its rule: each rewrites its bodies and re-binds the primitive.
-RULES = interpreter.Rules(
+RULES = context.Rules(
   higher_order={
     prims.jit_p: _jit_rule,
     prims.closed_call_p: _closed_call_rule,

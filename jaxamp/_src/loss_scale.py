@@ -8,7 +8,8 @@ the *scaled* loss and does what ``scaler.step(optimizer); scaler.update()`` does
 2. unscale in float32 with ``inv = f32(1 / f64(scale))``;
 3. on overflow skip the inner step (-0.0 updates: params and inner state stay bit-identical),
    else run it;
-4. back off or grow the scale, rounding ``f64(scale) * factor`` to float32 as torch does.
+4. back off or grow the scale, rounding ``f64(scale) * factor`` to float32 as torch does (and,
+   only if ``min_scale`` is given, never backing off below it).
 
 The products and the inverse round exactly as torch's C++ does (``exact_f64``); the arguments are
 validated in ``scaler_checks``. The rest of ``GradScaler`` (``scale``, ``unscale_``, the getters
@@ -48,6 +49,7 @@ class LossScaleHyperparams:
     enabled: ``False`` makes the scaler a pass-through of the inner optimizer.
     axis_name: the mapped axis name(s) the finite check is reduced over (``update`` and
       ``unscale``), or ``None``. Part of the program, not of its state: checkpoints leave it out.
+    min_scale: the floor a backoff stops at, or ``None`` for none (torch's behaviour).
   """
 
   growth_factor: float
@@ -55,15 +57,19 @@ class LossScaleHyperparams:
   growth_interval: int
   enabled: bool = True
   axis_name: Any = None
+  min_scale: float | None = None
 
 
 def _hyperparams_to_state_dict(hp: LossScaleHyperparams) -> dict[str, Any]:
-  return {
+  state = {
     "growth_factor": hp.growth_factor,
     "backoff_factor": hp.backoff_factor,
     "growth_interval": hp.growth_interval,
     "enabled": hp.enabled,
   }
+  if hp.min_scale is not None:  # saved only when set: a checkpoint without it keeps the program's
+    state["min_scale"] = hp.min_scale
+  return state
 
 
 def _hyperparams_from_state_dict(
@@ -77,6 +83,7 @@ def _hyperparams_from_state_dict(
     backoff_factor=float(state["backoff_factor"]),
     growth_interval=int(state["growth_interval"]),
     enabled=bool(state["enabled"]),
+    min_scale=float(state["min_scale"]) if "min_scale" in state else target.min_scale,
   )
 
 
@@ -107,7 +114,7 @@ class DynamicLossScaleState(NamedTuple):
     skipped_steps: int32 number of updates skipped since ``init`` (saturates, never wraps).
     inner_state: the state of the wrapped optimizer.
     hyperparams: the static ``LossScaleHyperparams`` (growth/backoff factors, growth interval,
-      enabled flag, axis name); also readable as ``state.growth_factor`` etc.
+      enabled flag, axis name, min scale); also readable as ``state.growth_factor`` etc.
   """
 
   scale: Any
@@ -136,6 +143,11 @@ class DynamicLossScaleState(NamedTuple):
   def enabled(self) -> bool:
     """Whether loss scaling is enabled."""
     return self.hyperparams.enabled
+
+  @property
+  def min_scale(self) -> float | None:
+    """The floor of the scale, a Python float, or ``None`` for none (torch's behaviour)."""
+    return self.hyperparams.min_scale
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,7 +235,11 @@ def _vary_like(x: Any, like: Any) -> Any:
 def _next_scale(
   scale: jax.Array, growth_tracker: jax.Array, found_inf: jax.Array, hp: LossScaleHyperparams
 ) -> tuple[jax.Array, jax.Array]:
-  """torch's ``_amp_update_scale_``: back off on overflow, grow after ``growth_interval`` steps."""
+  """torch's ``_amp_update_scale_``: back off on overflow, grow after ``growth_interval`` steps.
+
+  With a ``min_scale`` the backoff is ``max(product, min(scale, min_scale))``: it stops at the
+  floor, and never raises a scale already below it (``set_scale``).
+  """
   successful = growth_tracker + 1
   grow = successful == hp.growth_interval
   growth_limbs, growth_exp = exact_f64.f64_limbs(hp.growth_factor)
@@ -235,7 +251,10 @@ def _next_scale(
     jnp.where(found_inf, backoff_exp, growth_exp),
   )
   grown = jnp.where(jnp.isfinite(product), product, scale)  # never grow past float32 to inf
-  new_scale = jnp.where(found_inf, product, jnp.where(grow, grown, scale))
+  backed_off = product
+  if hp.min_scale is not None:  # static: without a floor the program is torch's, bit for bit
+    backed_off = jnp.maximum(product, jnp.minimum(scale, jnp.float32(hp.min_scale)))
+  new_scale = jnp.where(found_inf, backed_off, jnp.where(grow, grown, scale))
   new_tracker = jnp.where(found_inf | grow, 0, successful).astype(jnp.int32)
   return new_scale, new_tracker
 
@@ -249,6 +268,7 @@ def dynamic_loss_scale(
   growth_interval: int = 2000,
   enabled: bool = True,
   axis_name: Any = None,
+  min_scale: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with torch's dynamic loss scaling (``torch.amp.GradScaler``).
 
@@ -265,13 +285,16 @@ def dynamic_loss_scale(
     inner: the optimizer to wrap; put gradient clipping inside it so it sees unscaled gradients.
     init_scale: the initial scale, > 0 and finite in float32.
     growth_factor: the factor (> 1) the scale grows by.
-    backoff_factor: the factor (in (0, 1)) the scale backs off by. There is no floor, as in torch.
+    backoff_factor: the factor (in (0, 1)) the scale backs off by.
     growth_interval: the number (>= 1) of consecutive finite steps before the scale grows.
     enabled: ``False`` makes the wrapper an exact pass-through of ``inner`` (scale 1.0).
     axis_name: a mapped axis name (``shard_map``, ``pmap``) or tuple of names over which the
       finite check is reduced, so that every shard skips the same steps. Needed whenever shards
       see different gradients (e.g. sharded parameters, or gradients not yet averaged). Sharded
       gradients, updates and optimizer states work under ``shard_map``'s ``check_vma``.
+    min_scale: a floor for the scale (> 0, finite in float32, at most ``init_scale``): a backoff
+      gives ``max(scale * backoff_factor, min_scale)``, so a run of overflows (a NaN loss) cannot
+      drive the scale to zero, as in jmp and flax. ``None`` (the default): no floor, as in torch.
 
   Returns:
     A ``GradientTransformationExtraArgs``. Its ``update(grads, state, params, **extra_args)``
@@ -285,6 +308,7 @@ def dynamic_loss_scale(
   scaler_checks.check_args(
     inner, init_scale, growth_factor, backoff_factor, growth_interval, enabled, axis_name
   )
+  scaler_checks.check_min_scale(min_scale, init_scale)
   inner = optax.with_extra_args_support(inner)
   hyperparams = LossScaleHyperparams(
     growth_factor=float(growth_factor),
@@ -292,6 +316,7 @@ def dynamic_loss_scale(
     growth_interval=int(growth_interval),
     enabled=bool(enabled),
     axis_name=axis_name,
+    min_scale=None if min_scale is None else float(min_scale),
   )
 
   def init_fn(params: optax.Params) -> DynamicLossScaleState:

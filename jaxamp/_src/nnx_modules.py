@@ -4,6 +4,9 @@ autocast flattens its arguments to arrays, so a module would be rebuilt inside t
 function and its updates (BatchNorm statistics, RNG counters) would land on that copy. As
 ``nnx.jit`` does, arguments holding modules are split into a graph definition and state, merged
 inside, and the state the function leaves behind is written back to the caller's modules.
+
+flax stays off autocast's path until the user imports it: no nnx object exists before
+``flax.nnx`` is in ``sys.modules``, so the checks here look there instead of importing it.
 """
 
 from __future__ import annotations
@@ -22,15 +25,23 @@ def _nnx():
   return nnx
 
 
+def _imported_nnx():
+  """``flax.nnx`` if it is imported, else None (then no nnx object exists)."""
+  return sys.modules.get("flax.nnx")
+
+
 def contains_modules(tree: Any) -> bool:
   """Whether ``tree`` holds an nnx graph node (a Module, Rngs, Optimizer, ...)."""
-  is_node = _nnx().graph.is_graph_node
+  nnx = _imported_nnx()
+  if nnx is None:
+    return False
+  is_node = nnx.graph.is_graph_node
   return any(is_node(leaf) for leaf in jax.tree.leaves(tree, is_leaf=is_node))
 
 
 def is_module(fun: Any) -> bool:
-  """Whether ``fun`` is a callable nnx Module (only then can flax be imported already)."""
-  nnx = sys.modules.get("flax.nnx")
+  """Whether ``fun`` is a callable nnx Module."""
+  nnx = _imported_nnx()
   return nnx is not None and isinstance(fun, nnx.Module) and callable(fun)
 
 
@@ -40,7 +51,7 @@ def register_data_type(type_: type) -> None:
   nnx decides on assignment whether an attribute is data (state, traversed by ``nnx.split``) or
   static; a pytree of an unregistered type holding a module is an error there.
   """
-  nnx = sys.modules.get("flax.nnx")
+  nnx = _imported_nnx()
   if nnx is not None:
     nnx.register_data_type(type_)
 

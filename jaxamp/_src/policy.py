@@ -51,10 +51,6 @@ class Policy:
     category = self.table.op_categories.get(name)
     return category if category is not None else default
 
-  @property
-  def tag(self) -> str:
-    return f"{self.device_type},{self.dtype.name}"
-
 
 # Device type -> its table: every table jaxamp has, one per module of ``tables/``.
 _TABLES: dict[str, Table] = {
@@ -63,7 +59,7 @@ _TABLES: dict[str, Table] = {
 
 
 # JAX platform names (``jax.default_backend()``, ``Device.platform``) that name another device
-# type's policy. Every table's own name maps to itself: a "tpu" table serves "tpu" once it exists.
+# type's policy; every table's own name maps to itself.
 _ALIASES: dict[str, str] = {"gpu": "cuda", "rocm": "cuda"}
 
 

@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import autocast as autocast_lib
-from jaxamp._src import compat, explain, higher_order, interpreter, policy, rules
+from jaxamp._src import compat, context, explain, higher_order, interpreter, policy, rules
 from jaxamp._src.table import LOW_DTYPES
 
 prims = compat.primitives
@@ -203,8 +203,8 @@ def precision_report(fun: Callable, *, device_type: str | None = None, dtype=Non
     run = _Run()
     _evaluate_as_written(run, closed.jaxpr, closed.consts, arrays, "")
     run.seen.clear()
-    ctx = interpreter.Context(settings, _autocast_rules(run))
-    with interpreter.recording(run.record):
+    ctx = context.Context(settings, _autocast_rules(run))
+    with context.recording(run.record):
       interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx, env=_env(ctx, ""))
     entries = _sort([site.entry() for site in run.sites.values()], "accumulated")
     return PrecisionReport(settings.device_type, settings.dtype.name, entries)
@@ -292,10 +292,10 @@ class _Run:
     site.max_abs.append(_max_abs(outs))
 
 
-def _env(ctx: interpreter.Context, path: str) -> interpreter.Env:
+def _env(ctx: context.Context, path: str) -> context.Env:
   # A float32-inside softmax is not put under jax.checkpoint (which would trace it): the values
   # are the same, and its eqns are evaluated one by one.
-  return interpreter.Env(ctx, path, in_checkpointed_op=True)
+  return context.Env(ctx, path, in_checkpointed_op=True)
 
 
 def _evaluate_as_written(run: _Run, jaxpr, consts, args, path: str) -> list:
@@ -326,7 +326,7 @@ def _as_written_bodies(run: _Run, path: str, eqn) -> Callable:
   return evaluate
 
 
-def _autocast_rules(run: _Run) -> interpreter.Rules:
+def _autocast_rules(run: _Run) -> context.Rules:
   """``higher_order.RULES`` with the bodies of jit, checkpoint, scan, while, cond and custom
   derivatives evaluated eagerly by the interpreter, with the dtypes the rules give them."""
 
@@ -375,7 +375,7 @@ def _autocast_rules(run: _Run) -> interpreter.Rules:
 
   table = dict(higher_order.RULES.higher_order)
   table.update({primitive: rule(eager) for primitive, eager in _EAGER.items()})
-  return interpreter.Rules(higher_order=table)
+  return context.Rules(higher_order=table)
 
 
 # --- higher-order primitives on concrete values --------------------------------------------------

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._src import compat, library_ops
+from jaxamp._src import caches, compat, library_ops
 from jaxamp._src.table import Category
 
 # Name scopes of eqns autocast runs exactly as written: what an autocast call emitted (the scope
@@ -62,6 +62,19 @@ class OpRegion(NamedTuple):
 
 
 _user_defaults: dict[str, Category | None] = {}
+# Bumped by every registration (an op's category, a library function): the lookups of scopes and
+# tracebacks are cached per version, so a registration reaches ops looked up before it.
+_version = 0
+
+
+def version() -> int:
+  """The registrations' version: what is derived from them is stale once it changes."""
+  return _version
+
+
+def _registered() -> None:
+  global _version
+  _version += 1
 
 
 @contextlib.contextmanager
@@ -160,7 +173,7 @@ def _set_default(name: str, category: Category | str | None) -> None:
       f"it again with {default.value!r} would silently change it."
     )
   _user_defaults[name] = default if default is not None else earlier
-  _library_ops_of.cache_clear()  # library regions of ``name`` take this default too
+  _registered()  # named and library regions of ``name`` take this default too
 
 
 def registered_ops() -> tuple[str, ...]:
@@ -205,7 +218,7 @@ def register_library_op(fun: Callable, name: str) -> None:
   code = code_of(fun)
   if name not in _library_codes.get(code, ()):
     _library_codes[code] = (*_library_codes.get(code, ()), name)
-    _library_ops_of.cache_clear()
+    _registered()
 
 
 def resolve(module: str, path: str) -> Callable:
@@ -270,32 +283,34 @@ def marks_of(eqn) -> Marks:
   scopes = compat.name_scopes(eqn)
   if not _KEPT_MARKS.isdisjoint(scopes):
     return Marks(True, ())
-  named = tuple(_named_op(scope) for scope in scopes if scope.startswith(_OP_PREFIX))
   if _pending:
     _resolve_pending()
-  library, positions = _library_ops_of(compat.traceback_code_frames(eqn))
+  named = tuple(_named_op(scope, _version) for scope in scopes if scope.startswith(_OP_PREFIX))
+  library, positions = _library_ops_of(compat.traceback_code_frames(eqn), _version)
   if not named and not library:
     return NO_MARKS
   return Marks(False, named + library, (None,) * len(named) + positions)
 
 
-@functools.lru_cache(maxsize=4096)
-def _named_op(scope: str) -> OpRegion:
+@caches.lru_cache("regions.named_ops", maxsize=4096)
+def _named_op(scope: str, version: int) -> OpRegion:
+  """The op region a ``jaxamp.op:`` scope names, under registrations of ``version``."""
   name = scope[len(_OP_PREFIX) :].rpartition("#")[0]
   cast_to = np.dtype(jnp.dtype(name[len(_CUSTOM_FWD) :])) if name.startswith(_CUSTOM_FWD) else None
   return OpRegion(name, scope, _user_defaults.get(name), cast_to)
 
 
-@functools.lru_cache(maxsize=4096)
+@caches.lru_cache("regions.library_ops", maxsize=4096)
 def _library_ops_of(
-  frames: tuple[tuple[types.CodeType, int], ...],
+  frames: tuple[tuple[types.CodeType, int], ...], version: int
 ) -> tuple[tuple[OpRegion, ...], tuple[tuple[int, ...], ...]]:
-  """The recognised library functions among ``frames`` (innermost first), outermost first.
+  """The recognised library functions among ``frames`` (innermost first), outermost first,
+  under registrations of ``version``.
 
   Returned with each one's position inside its call: the bytecode offsets of the frames from
   the function's own inward, which grow (compared as tuples) as the call runs on. The instance
   names the call site (the caller's frame); two calls from one site (a loop, a linen module's
-  wrapper) are told apart by the position going back (``interpreter._op_calls``).
+  wrapper) are told apart by the position going back (``op_calls.op_calls``).
   """
   found, positions = [], []
   for index, (code, offset) in enumerate(frames):

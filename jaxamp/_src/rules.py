@@ -18,7 +18,7 @@ interpreter in its ``Context``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +26,9 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import casting, compat, dataflow, op_calls, weight_grads
+from jaxamp._src.context import Context, Env
 from jaxamp._src.policy import Policy
 from jaxamp._src.table import LOW_DTYPES, NO_16_BIT_KERNELS, Category
-
-if TYPE_CHECKING:
-  from jaxamp._src.interpreter import Context, Env
 
 p = compat.primitives
 

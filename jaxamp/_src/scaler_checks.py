@@ -99,6 +99,22 @@ def check_growth_interval(growth_interval: Any) -> None:
     )
 
 
+def check_min_scale(min_scale: Any, init_scale: Any = None) -> None:
+  """``None`` (no floor, as torch) or a scale > 0, finite in float32, at most ``init_scale``."""
+  if min_scale is None:
+    return
+  valid = "None (no floor, as in torch) or a real number > 0 and finite in float32"
+  if init_scale is not None:
+    valid += f", at most `init_scale` ({init_scale!r})"
+  if isinstance(min_scale, (bool, np.bool_)) or not isinstance(min_scale, numbers.Real):
+    raise TypeError(f"`min_scale` must be {valid}, got {type(min_scale).__name__}: {min_scale!r}.")
+  with np.errstate(over="ignore"):
+    as_float32 = float(np.float32(min_scale))
+  too_big = init_scale is not None and as_float32 > float(np.float32(init_scale))
+  if not 0.0 < as_float32 < math.inf or too_big:
+    raise ValueError(f"`min_scale` must be {valid}, got {min_scale!r}.")
+
+
 def check_hyperparams(growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> None:
   """Validates the hyperparameters kept in the state (constructor, setters, load_state_dict)."""
   check_growth_factor(growth_factor)

@@ -19,9 +19,10 @@ that remat policies look for); its tangent in the cast operand is taken from the
 * for an add (a bias), the float32 tangent broadcast before its cast, so the sum over the batch
   that transposes the broadcast is float32.
 
-On XLA:CPU a bfloat16 weight gradient keeps its 16-bit result (a ``lax.platform_dependent``
-branch): XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot, and widens bfloat16
-all-reduces to float32 itself. ``disabled()`` turns all of this off: tests and benchmarks
+On XLA:CPU (a ``lax.platform_dependent`` branch) a bfloat16 weight gradient keeps its 16-bit
+result: XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot, and widens bfloat16
+all-reduces to float32 itself; and the dot's output transpose is kept from folding into it, which
+would cost a 2x slower kernel. ``disabled()`` turns all of this off: tests and benchmarks
 compare with the old behaviour.
 """
 
@@ -30,17 +31,15 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._src import compat
+from jaxamp._src import caches, compat
+from jaxamp._src.context import Env
 from jaxamp._src.table import LOW_DTYPES
-
-if TYPE_CHECKING:
-  from jaxamp._src.interpreter import Env
 
 p = compat.primitives
 FLOAT32 = jnp.dtype(jnp.float32)
@@ -121,7 +120,7 @@ def _key(primitive, params: dict, cast: tuple[bool, ...]) -> Hashable | None:
   return key
 
 
-@functools.lru_cache(maxsize=1024)
+@caches.lru_cache("weight_grads.custom_jvps", maxsize=1024)
 def _cached_custom_jvp(key: tuple) -> Callable[..., Any]:
   primitive, params, cast = key
   return _custom_jvp(primitive, dict(params), cast)
@@ -248,12 +247,47 @@ def _transpose_tangent(ct, other, tangent, *, matmul, params, position, low) -> 
     result_params = dict(params, preferred_element_type=result_dtype)
     return compat.bilinear_transpose(matmul, ct, operands, position, result_params)
 
-  if low != jnp.bfloat16 or matmul is not p.dot_general_p:
+  if matmul is not p.dot_general_p:
     return transposed(ct, other)
-  # XLA:CPU leaves bfloat16 x bfloat16 -> float32 dots to YNNPACK, and its fallback (DotThunk)
-  # cannot run those YNNPACK does not take: on CPU, the 16-bit result as before this module.
-  cpu = functools.partial(transposed, result_dtype=dict(params)["preferred_element_type"])
-  return lax.platform_dependent(ct, other, cpu=cpu, default=transposed)
+  # On XLA:CPU, a bfloat16 weight gradient keeps its 16-bit result: XLA:CPU cannot run every
+  # bfloat16 x bfloat16 -> float32 dot (YNNPACK takes some, its fallback none), and widens
+  # bfloat16 all-reduces to float32 itself. Either dot keeps its output transpose unfolded.
+  result_dtype = FLOAT32 if low != jnp.bfloat16 else dict(params)["preferred_element_type"]
+
+  def on_cpu(ct, other):
+    return _unfolded_transposes(functools.partial(transposed, result_dtype=result_dtype), ct, other)
+
+  return lax.platform_dependent(ct, other, cpu=on_cpu, default=transposed)
+
+
+def _unfolded_transposes(fun: Callable[..., Any], *args) -> Any:
+  """``fun(*args)`` with an optimization barrier between a matmul and a transpose of its output.
+
+  XLA:CPU folds such a transpose into the dot, whose operands then contract along their leading
+  dims: YNNPACK does not take that dot, and its fallback runs a weight gradient 2x slower."""
+  matmul_outputs = set()
+
+  def bind(eqn, ins):
+    if eqn.primitive is p.transpose_p and eqn.invars[0] in matmul_outputs:
+      ins = [lax.optimization_barrier(ins[0])]
+    if eqn.primitive in MATMULS:
+      matmul_outputs.update(eqn.outvars)
+    return eqn.primitive.bind(*ins, **eqn.params)
+
+  return _evaluate(jax.make_jaxpr(fun)(*args), args, bind)
+
+
+def _evaluate(closed, args: Sequence[Any], bind: Callable[[Any, list[Any]], Any]) -> Any:
+  """The single output of the one-output eqns of ``closed`` on ``args``, each eqn evaluated as
+  ``bind(eqn, its input values)``."""
+  jaxpr = closed.jaxpr
+  values = dict(zip((*jaxpr.constvars, *jaxpr.invars), (*closed.consts, *args), strict=True))
+  for eqn in jaxpr.eqns:
+    values[eqn.outvars[0]] = bind(
+      eqn, [a.val if compat.is_literal(a) else values[a] for a in eqn.invars]
+    )
+  (out,) = jaxpr.outvars
+  return out.val if compat.is_literal(out) else values[out]
 
 
 def _batch_cast_tangent(args, dims, *, matmul, params, position, low) -> tuple[Any, int]:
@@ -267,24 +301,21 @@ def _batch_cast_tangent(args, dims, *, matmul, params, position, low) -> tuple[A
 
   shapes = jax.ShapeDtypeStruct(other.shape, other.dtype), jax.ShapeDtypeStruct(tangent.shape, low)
   closed = jax.make_jaxpr(jax.vmap(matmul_of, in_axes=tuple(dims)))(*shapes)
-  jaxpr = closed.jaxpr
-  values = dict(
-    zip((*jaxpr.constvars, *jaxpr.invars), (*closed.consts, other, tangent), strict=True)
-  )
-  on_tangent = {jaxpr.invars[1]}
-  for eqn in jaxpr.eqns:
-    ins = [a.val if compat.is_literal(a) else values[a] for a in eqn.invars]
-    if eqn.primitive is matmul:
-      at = next(i for i, a in enumerate(eqn.invars) if a in on_tangent)
-      out = cast_tangent_p.bind(
-        ins[1 - at], ins[at], matmul=matmul, params=_freeze(eqn.params), position=at, low=low
-      )
-    else:
-      out = eqn.primitive.bind(*ins, **eqn.params)
-    if any(a in on_tangent for a in eqn.invars):
+  on_tangent = {closed.jaxpr.invars[1]}
+
+  def bind(eqn, ins):
+    reads_tangent = [a in on_tangent for a in eqn.invars]
+    if any(reads_tangent):
       on_tangent.update(eqn.outvars)
-    values[eqn.outvars[0]] = out
-  return values[jaxpr.outvars[0]], 0
+    if eqn.primitive is not matmul:
+      return eqn.primitive.bind(*ins, **eqn.params)
+    at = reads_tangent.index(True)
+    frozen = _freeze(eqn.params)
+    return cast_tangent_p.bind(
+      ins[1 - at], ins[at], matmul=matmul, params=frozen, position=at, low=low
+    )
+
+  return _evaluate(closed, (other, tangent), bind), 0
 
 
 cast_tangent_p = compat.bilinear_primitive(
