@@ -97,6 +97,18 @@ class Task:
   batch: Any
 
 
+def lm_sizes(quick: bool = False) -> dict:
+  """The transformer LM's sizes in the benchmarks (``--quick``: smaller)."""
+  return dict(
+    layers=1 if quick else 4,
+    d_model=128 if quick else 256,
+    heads=4,
+    seq=64 if quick else 128,
+    batch=4 if quick else 8,
+    vocab=512 if quick else 1024,
+  )
+
+
 def lm_task(dtype, *, layers=4, d_model=256, heads=4, seq=128, batch=8, vocab=1024, seed=0) -> Task:
   model = TransformerLM(vocab, d_model, heads, layers, seq, dtype)
   rng = np.random.default_rng(seed)

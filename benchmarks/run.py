@@ -10,7 +10,8 @@ Sections (all measured side by side in one process, printed as ratios):
   lm, conv   1. trace/lower/compile time  2. residual bytes  3. step time  4. convert counts
   haiku      the same for a Haiku ResNet (hk.BatchNorm) against Haiku's jmp policies, with the
              target autocast converts <= jmp converts in the jaxpr, StableHLO and compiled HLO
-  scaler     5. dynamic_loss_scale(adam) vs adam update time on >= 10M parameters
+  scaler     5. dynamic_loss_scale(adam) vs adam update time on >= 10M parameters, and its
+             compile/step time against flax DynamicScale and optax.apply_if_finite
   gpu        6. GPU only: autocast speed-up over float32 and the dtypes of the gemm/conv calls
   depth      7. trace/lower/compile time of the LM at 2, 8, 32, 64 unrolled layers (~5-10 min,
              so only with --only; benchmarks/trace_depth.py runs it alone with more options)
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_models  # noqa: E402
 import bench_scaler  # noqa: E402
+import bench_scaler_peers  # noqa: E402
 import common  # noqa: E402
 import jax  # noqa: E402
 import models  # noqa: E402
@@ -79,14 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def settings(args) -> dict:
   q = args.quick
-  lm = dict(
-    layers=1 if q else 4,
-    d_model=128 if q else 256,
-    heads=4,
-    seq=64 if q else 128,
-    batch=4 if q else 8,
-    vocab=512 if q else 1024,
-  )
+  lm = models.lm_sizes(q)
   for k in lm:
     v = getattr(args, k)
     if v is not None:
@@ -250,6 +245,18 @@ def main(argv=None) -> int:
     res = bench_scaler.run(**cfg["scaler"], log=log)
     print("\n" + bench_scaler.report(res, args.markdown), flush=True)
     summary += bench_scaler.summary_rows(res)
+    peers = dict(
+      lm=None if args.quick else cfg["lm"],
+      leaves=(8,) if args.quick else (50, 500),
+      d=16 if args.quick else 128,
+      compile_reps=cfg["compile_reps"],
+      rounds=cfg["scaler"]["rounds"],
+      per_round=cfg["scaler"]["per_round"],
+    )
+    log(f"scaler peers: {peers}")
+    res = bench_scaler_peers.run(**peers, log=log)
+    print("\n" + bench_scaler_peers.report(res, args.markdown), flush=True)
+    summary += bench_scaler_peers.summary_rows(res)
   if "gpu" in only:
     print("\n" + gpu_section(by_model, policies, args.markdown), flush=True)
   if "depth" in only:

@@ -7,10 +7,12 @@ scikit-learn, no download) three ways, with ``jaxamp.make_train_step`` and a fla
 ``TrainState``, and prints a table per variant:
 
 - ``loss``: the mean training loss of the last 50 steps (fewer in shorter runs);
-- ``acc``: the test accuracy, with the forward pass under the variant's autocast policy;
+- ``test acc``: the accuracy on the held-out 20% of the digits, with the forward pass under the
+  variant's autocast policy;
 - ``ms/step``: the median wall time of a jitted train step, host sync included;
-- ``saved for bwd``: the memory kept for the backward pass, i.e. the bytes of the residuals
-  that the forward pass saves for the backward pass of one batch. It is the sum of the sizes of
+- ``residuals KiB``: the memory kept for the backward pass, i.e. the bytes of the residuals
+  that the forward pass saves for the backward pass of one batch, counted from the jaxpr (not
+  measured on a device). It is the sum of the sizes of
   the leaves of the function ``jax.vjp`` returns for the loss function (with the variant's
   autocast), leaving out the leaves that are the arguments themselves (the float32 parameters
   and the batch, held anyway). Low-precision copies of the weights made for the matmuls count,
@@ -18,14 +20,16 @@ scikit-learn, no download) three ways, with ``jaxamp.make_train_step`` and a fla
   describes the program rather than one backend's allocator (``compiled.memory_analysis()`` of
   the jitted step would give XLA:CPU's temporary buffers instead);
 - ``skipped``: updates skipped by ``dynamic_loss_scale`` for Inf/NaN gradients;
-- ``scale``: the final loss scale (1.0 without a scaler).
+- ``scale``: the final loss scale (1.0 without a scaler). The scaler uses
+  ``growth_interval=100`` (``GROWTH_INTERVAL``) instead of torch's default 2000, so that a run of
+  a few hundred steps shows the scale grow after it backs off.
 
 It saves ``DIR/demo.png`` with the loss curves, the loss-scale trajectory (skipped steps marked)
-and the residual memory per variant (needs matplotlib). The default run takes about one to two
-minutes on two CPU cores; progress shows as tqdm bars on a terminal and as a plain line every
-tenth of the steps when stderr goes to a file or a pipe. On CPU there is no speed-up to expect
-(XLA:CPU computes 16-bit dots in float32 internally); the memory and the dtypes are real on every
-backend.
+and the residual memory per variant in KiB, as in the table (needs matplotlib). The default run
+takes about one to two minutes on two CPU cores; progress shows as tqdm bars on a terminal and as
+a plain line every tenth of the steps when stderr goes to a file or a pipe. On CPU there is no
+speed-up to expect (XLA:CPU computes 16-bit dots in float32 internally); the memory and the dtypes
+are real on every backend.
 """
 
 from __future__ import annotations
@@ -237,8 +241,11 @@ def plot(results: list[dict[str, Any]], out: pathlib.Path) -> pathlib.Path | Non
     xlabel="step", ylabel="loss scale used by the step", yscale="log", title="dynamic loss scale"
   )
   names = [r["name"].replace(" + ", "\n+ ").replace(" (", "\n(") for r in results]
-  ax_memory.bar(names, [r["saved_bytes"] / 2**20 for r in results], color=["black", "C1", "C2"])
-  ax_memory.set(ylabel="MiB", title=f"saved for the backward pass (batch {BATCH_SIZE})")
+  ax_memory.bar(names, [r["saved_bytes"] / 2**10 for r in results], color=["black", "C1", "C2"])
+  ax_memory.set(
+    ylabel="KiB",
+    title=f"residuals saved for the backward pass (batch {BATCH_SIZE}, from the jaxpr)",
+  )
   ax_memory.tick_params(axis="x", labelsize=8)
   out.mkdir(parents=True, exist_ok=True)
   path = out / "demo.png"
@@ -249,16 +256,23 @@ def plot(results: list[dict[str, Any]], out: pathlib.Path) -> pathlib.Path | Non
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-  """The final table: one row per variant."""
+  """The final table: one row per variant, then what its columns are."""
   print(
-    f"{'variant':46s} {'loss':>9s} {'acc':>6s} {'ms/step':>8s} {'saved for bwd':>14s} "
-    f"{'skipped':>8s} {'scale':>9s}"
+    f"{'variant':46s} {'loss':>8s} {'test acc':>8s} {'ms/step':>7s} {'residuals KiB':>13s} "
+    f"{'skipped':>7s} {'scale':>8s}"
   )
   for r in results:
     print(
-      f"{r['name']:46s} {r['loss']:9.2e} {r['accuracy']:6.3f} {r['step_ms']:8.2f} "
-      f"{r['saved_bytes'] / 2**10:10.0f} KiB {r['skipped']:8d} {r['scale']:9.3g}"
+      f"{r['name']:46s} {r['loss']:8.2e} {r['accuracy']:8.3f} {r['step_ms']:7.2f} "
+      f"{r['saved_bytes'] / 2**10:13.0f} {r['skipped']:7d} {r['scale']:8.3g}"
     )
+  print(
+    f"loss: mean of the last {LOSS_WINDOW} steps; test acc: on the 20% of the digits held out\n"
+    "residuals KiB: what the forward pass saves for the backward pass (jax.vjp's residuals,\n"
+    "  counted from the jaxpr); skipped: steps the loss scaler skipped for Inf/NaN gradients\n"
+    f"scale: the final loss scale; growth_interval={GROWTH_INTERVAL} (torch's default is 2000) "
+    "so that a short\n  run shows the scale grow after a backoff"
+  )
 
 
 def _positive_int(text: str) -> int:

@@ -1,8 +1,16 @@
 """Writes docs/coverage.md: every op of torch's autocast reference lists and how jaxamp realises it.
 
-Run from the repository root with ../shared beside it:  python scripts/make_coverage.py
+Run from the repository root:  python scripts/make_coverage.py
+
+torch's op lists come from ``tests/data/torch_autocast_op_reference.json`` (``REFERENCE``), which
+holds the lists of the "Autocast Op Reference" of PyTorch's documentation (``docs/source/amp.md``,
+BSD-3-Clause, see the file's ``license``). To refresh it from a copy of that page, e.g. when torch
+changes its lists:  python scripts/make_coverage.py --from-markdown path/to/amp.md
+(default: ``../shared/reference/torch_amp_op_reference.md`` beside the repository).
 """
 
+import argparse
+import json
 import pathlib
 import re
 import sys
@@ -10,7 +18,15 @@ import sys
 from jaxamp._src import coverage
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-REFERENCE = ROOT.parent / "shared" / "reference" / "torch_amp_op_reference.md"
+REFERENCE = ROOT / "tests" / "data" / "torch_autocast_op_reference.json"
+MARKDOWN = ROOT.parent / "shared" / "reference" / "torch_amp_op_reference.md"
+ATTRIBUTION = {
+  "source": "PyTorch documentation, torch.amp, section 'Autocast Op Reference' "
+  "(docs/source/amp.md, https://pytorch.org/docs/stable/amp.html#autocast-op-reference)",
+  "license": "BSD-3-Clause: Copyright (c) 2016- Facebook, Inc. (Adam Paszke) and the PyTorch "
+  "contributors; https://github.com/pytorch/pytorch/blob/main/LICENSE",
+  "generated_by": "python scripts/make_coverage.py --from-markdown (the op lists only, verbatim)",
+}
 
 # Reference section headings -> (device type, category in the reference).
 SECTIONS = {
@@ -26,15 +42,27 @@ SECTIONS = {
 }
 
 
-def reference_ops(text: str) -> list[tuple[str, str, str]]:
-  """(device type, reference category, torch op) for every op of the CUDA, XPU and CPU lists of
-  the reference, then of torch_xla's TPU lists (``coverage.TPU_REFERENCE``)."""
-  ops = []
+def lists_from_markdown(text: str) -> list[dict]:
+  """The op lists of torch's reference page (markdown), one dict per section of ``SECTIONS``:
+  its heading, device type, category and ops, in the page's order (repeats dropped)."""
+  lists = []
   for heading, (device_type, category) in SECTIONS.items():
     section = text.split(f"#### {heading}", 1)[1].split("\n#", 1)[0]
+    ops: list[str] = []
     for name in re.findall(r"^`([^`]+)`,?$", section, flags=re.MULTILINE):
-      if (device_type, category, name) not in ops:
-        ops.append((device_type, category, name))
+      if name not in ops:
+        ops.append(name)
+    lists.append({"heading": heading, "device": device_type, "category": category, "ops": ops})
+  return lists
+
+
+def reference_ops(reference: dict | None = None) -> list[tuple[str, str, str]]:
+  """(device type, reference category, torch op) for every op of the CUDA, XPU and CPU lists of
+  torch's reference (``REFERENCE`` unless given), then of torch_xla's TPU lists
+  (``coverage.TPU_REFERENCE``)."""
+  if reference is None:
+    reference = json.loads(REFERENCE.read_text())
+  ops = [(x["device"], x["category"], name) for x in reference["lists"] for name in x["ops"]]
   return ops + tpu_ops()
 
 
@@ -66,11 +94,30 @@ def render(ops: list[tuple[str, str, str]]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-  if not REFERENCE.exists():
-    sys.exit(f"reference not found: {REFERENCE}")
+def write_reference(markdown: pathlib.Path) -> None:
+  """Writes ``REFERENCE`` from a copy of torch's reference page."""
+  if not markdown.exists():
+    sys.exit(f"torch's op reference not found: {markdown}")
+  data = {**ATTRIBUTION, "lists": lists_from_markdown(markdown.read_text())}
+  REFERENCE.parent.mkdir(parents=True, exist_ok=True)
+  REFERENCE.write_text(json.dumps(data, indent=1) + "\n")
+  print(f"wrote {REFERENCE}")
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument(
+    "--from-markdown",
+    type=pathlib.Path,
+    nargs="?",
+    const=MARKDOWN,
+    help=f"first refresh {REFERENCE.relative_to(ROOT)} from torch's page (default: {MARKDOWN})",
+  )
+  args = parser.parse_args(argv)
+  if args.from_markdown is not None:
+    write_reference(args.from_markdown)
   out = ROOT / "docs" / "coverage.md"
-  out.write_text(render(reference_ops(REFERENCE.read_text())))
+  out.write_text(render(reference_ops()))
   print(f"wrote {out}")
 
 

@@ -3,19 +3,26 @@
 A test compares with live torch when it is marked ``@pytest.mark.torch`` or its body calls
 ``pytest.importorskip("torch")`` or ``torch_goldens.recorder()`` (the suite's two spellings).
 With torch installed (CI installs its CPU build) they all run. Without it they are deselected and
-one skipped test, ``live_torch_comparisons``, says how many there are and how to run them; the
-comparisons with the recorded golden files run either way.
+one skipped test, ``live_torch_comparisons``, says how many there are and how to run them, as does
+a line at the end of the run; the comparisons with the recorded golden files run either way.
+``JAXAMP_TESTS_WITHOUT_TORCH=1`` runs the tests as if torch were not installed.
+
+The notebooks (collected from ``notebooks/`` by nbmake) are marked ``slow``, as the slow test
+modules are: ``python -m pytest -m "not slow"`` is the fast subset.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 
 import pytest
 
 
 def _has_torch() -> bool:
+  if os.environ.get("JAXAMP_TESTS_WITHOUT_TORCH") == "1":
+    return False
   try:
     return importlib.util.find_spec("torch") is not None
   except ImportError:  # a finder that hides torch
@@ -25,6 +32,7 @@ def _has_torch() -> bool:
 HAS_TORCH = _has_torch()
 TORCH_MARKER = "torch: compares with live torch; without torch installed it is folded into one skip"
 INSTALL_TORCH = "pip install torch==2.13.0 (its CPU build is enough)"
+DESELECTED_FOR_TORCH = pytest.StashKey[list]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,12 +61,17 @@ def _live_torch_comparisons() -> None:
   """Stands in for the comparisons with live torch when torch is not installed."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the notebooks are slow
 def pytest_collection_modifyitems(
   session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
+  for item in items:
+    if item.path.suffix == ".ipynb":
+      item.add_marker(pytest.mark.slow)
   if HAS_TORCH:
     return
   live = [item for item in items if needs_torch(item)]
+  config.stash[DESELECTED_FOR_TORCH] = live
   if not live:
     return
   config.hook.pytest_deselected(items=live)
@@ -78,3 +91,22 @@ def pytest_collection_modifyitems(
     )
   )
   items.insert(first, stand_in)
+
+
+def torch_summary(live: list[pytest.Item]) -> str | None:
+  """The line the run ends with when comparisons with live torch were deselected, else None."""
+  if not live:
+    return None
+  files = len({item.path for item in live})
+  return (
+    f"{len(live)} comparisons with live torch ({files} test file{'s' * (files != 1)}) were "
+    "deselected: torch is not installed. The recorded golden files stand in for them. "
+    f"To run them: {INSTALL_TORCH}."
+  )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+  line = torch_summary(config.stash.get(DESELECTED_FOR_TORCH, []))
+  if line is not None:
+    terminalreporter.write_sep("-", "without torch")
+    terminalreporter.write_line(line)

@@ -78,6 +78,7 @@ def quick_report() -> str:
   return out.getvalue()
 
 
+@pytest.mark.slow  # runs every benchmark script once (minutes)
 def test_quick_run_reports_every_section(quick_report):
   for heading in (
     "### transformer LM",

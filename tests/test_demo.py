@@ -28,7 +28,16 @@ def test_demo_trains_three_variants_end_to_end(short_run):
 def test_demo_prints_a_table_with_every_column(short_run):
   _, printed, _ = short_run
   header = next(line for line in printed.splitlines() if line.startswith("variant"))
-  assert header.split()[1:] == ["loss", "acc", "ms/step", "saved", "for", "bwd", "skipped", "scale"]
+  assert header.split()[1:] == [
+    "loss",
+    "test",
+    "acc",
+    "ms/step",
+    "residuals",
+    "KiB",
+    "skipped",
+    "scale",
+  ]
 
 
 def test_demo_low_precision_variants_save_less_for_the_backward_pass(short_run):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from report_models import deep_model
 
 import jaxamp
 
@@ -60,9 +61,29 @@ def test_explanation_prints_as_a_table_and_summarises():
   explanation = jaxamp.explain(model, device_type="cpu")(X, W)
   text = str(explanation)
   assert text.splitlines()[0].startswith("autocast('cpu', bfloat16)")
-  assert "dot_general" in text and "traced -> inputs" in text
+  assert "dot_general" in text and "f32->bf16" in text
   assert explanation.summary()["lower"] == 2
   assert tuple(explanation.to_dicts()[0]) == jaxamp.Decision._fields
+
+
+def test_the_default_table_fits_100_columns():
+  lines = str(jaxamp.explain(deep_model, device_type="cuda")(X, W)).splitlines()
+  assert max(map(len, lines)) <= 100
+  assert "jit(<lambda>)/scan/cond.branch1" in jaxamp.explain(deep_model)(X, W).table(full=True)
+
+
+def test_the_default_table_lists_each_rules_torch_ops_once():
+  text = str(jaxamp.explain(model, device_type="cuda")(X, W))
+  rows_with_dots = [line for line in text.splitlines() if " dot_general " in line]
+  assert len(rows_with_dots) == 2 and not any("matmul" in line for line in rows_with_dots)
+  assert text.count("__matmul__") == 1  # in the torch ops under the table
+
+
+def test_the_full_table_has_the_torch_ops_on_every_row():
+  text = jaxamp.explain(model, device_type="cuda")(X, W).table(full=True)
+  rows_with_dots = [line for line in text.splitlines() if " dot_general " in line]
+  assert len(rows_with_dots) == 2 and all("__matmul__" in line for line in rows_with_dots)
+  assert "traced -> inputs" in text and "(float32, float32) -> (float16, float16)" in text
 
 
 def test_explain_does_not_run_the_computation_or_pollute_caches():

@@ -124,16 +124,19 @@ def eight_devices():
   return cpu_devices.run_json(SCRIPT, devices=8)
 
 
+@pytest.mark.slow  # a subprocess on several virtual CPU devices
 @pytest.mark.parametrize("policy", ["cuda", "cpu"])
 def test_data_parallel_step_all_reduces_gradients_in_float32(eight_devices, policy):
   assert eight_devices["dtypes"][policy]["new"] == ["f32"]
 
 
+@pytest.mark.slow  # a subprocess on several virtual CPU devices
 def test_without_weight_grads_the_data_parallel_step_all_reduces_in_float16(eight_devices):
   # What the test above catches (XLA:CPU widens bfloat16 reductions itself, so only float16).
   assert "f16" in eight_devices["dtypes"]["cuda"]["old"]
 
 
+@pytest.mark.slow  # a subprocess on several virtual CPU devices
 def test_gradients_whose_sum_over_devices_overflows_float16_stay_finite_and_exact(eight_devices):
   run = eight_devices["overflow"]
   assert run["largest_reference"] * 2.0**16 > 65504  # the float16 sum would overflow
@@ -142,6 +145,7 @@ def test_gradients_whose_sum_over_devices_overflows_float16_stay_finite_and_exac
   assert not all(np.isfinite(np.concatenate([np.asarray(g) for g in run["old"]])))
 
 
+@pytest.mark.slow  # a subprocess on several virtual CPU devices
 def test_forward_values_and_activation_gradients_are_bit_identical(eight_devices):
   assert eight_devices["overflow"]["loss_bit_identical"]
   assert eight_devices["overflow"]["dx_bit_identical"]
@@ -215,17 +219,17 @@ def test_weight_gradient_matmuls_keep_16_bit_operands_off_cpu(policy):
 
 
 @pytest.mark.parametrize("policy", ["cuda", "cpu"])
-def test_weight_gradient_matmuls_on_cpu_keep_their_output_transposes_unfolded(policy):
+def test_weight_gradient_matmuls_keep_their_output_transposes_unfolded_on_cpu(policy):
   """XLA:CPU folds a transpose of a dot's output into the dot, which then misses its fast
-  kernel: on CPU, an optimization barrier stands between them."""
-  jaxpr = jax.make_jaxpr(jax.grad(loss_of(policy)))(PARAMS)
-  off_cpu = {id(eqn) for eqn in eqns_off_cpu(jaxpr)}
-  on_cpu = [eqn for _, eqn in walk(jaxpr) if id(eqn) not in off_cpu]
-  producers = {out: eqn.primitive.name for eqn in on_cpu for out in eqn.outvars}
-  dots = [eqn for eqn in on_cpu if eqn.primitive.name == "dot_general"]
-  transposes = [eqn for eqn in on_cpu if eqn.primitive.name == "transpose"]
-  assert dots and transposes
-  assert {producers.get(eqn.invars[0]) for eqn in transposes} == {"optimization_barrier"}
+  kernel: the dot's output passes through ``unfolded_p``, an optimization barrier on CPU only."""
+  step = jax.jit(jax.grad(loss_of(policy)))
+  jaxpr = jax.make_jaxpr(step)(PARAMS)
+  eqns = [eqn for _, eqn in walk(jaxpr)]
+  producers = {out: eqn.primitive for eqn in eqns for out in eqn.outvars}
+  transposed = [producers.get(e.invars[0]) for e in eqns if e.primitive.name == "transpose"]
+  assert weight_grads.unfolded_p in transposed
+  assert weight_grads.unfolded_p.name not in step.lower(PARAMS).as_text()
+  assert "optimization_barrier" in step.lower(PARAMS).as_text()
 
 
 @pytest.mark.parametrize("policy", ["cuda"])  # bfloat16 keeps its 16-bit result on XLA:CPU

@@ -472,9 +472,31 @@ def run_on_four_cpu_devices(script):
   return cpu_devices.run_json(script, devices=4)
 
 
+@pytest.mark.slow  # a subprocess on several virtual CPU devices
 def test_axis_name_makes_every_shard_skip_when_one_shard_overflows():
   result = run_on_four_cpu_devices(_SHARD_MAP_SCRIPT)
   assert result["devices"] == 4
   assert result["found_inf"] and result["scale"] == 2.0
   assert result["params"] == [1.0] * 8  # no shard stepped, not even the finite ones
   assert result["finite_params"] == [0.0] * 8 and result["finite_scale"] == 4.0
+
+
+def _reductions(leaves: int) -> tuple[int, int]:
+  """(reductions in the jaxpr of the scaler's update, times it traced the inner update)."""
+  calls = []
+  adam = optax.adam(1e-3)
+
+  def counted(grads, state, params=None):
+    calls.append(1)
+    return adam.update(grads, state, params)
+
+  tx = jaxamp.dynamic_loss_scale(optax.GradientTransformation(adam.init, counted))
+  params = {f"w{i}": jnp.ones((4, 3) if i % 2 else (5,)) for i in range(leaves)}
+  text = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+  return sum(text.count(f"{r}[") for r in ("reduce_sum", "reduce_and", "reduce_or")), len(calls)
+
+
+def test_update_cost_does_not_grow_per_leaf():
+  # The finite check is one reduction per (size, dtype) group of leaves, not one per leaf, and the
+  # inner update is traced once (not again by jax.eval_shape for the skipped branch's shapes).
+  assert _reductions(4) == _reductions(64) == (2, 1)

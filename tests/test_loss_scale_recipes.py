@@ -326,6 +326,7 @@ _DATA_PARALLEL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a subprocess on several virtual CPU devices
 def test_recipe_data_parallel_training_with_shard_map_and_axis_name():
   result = cpu_devices.run_json(_DATA_PARALLEL_SCRIPT, devices=4)
   assert result["devices"] == 4

@@ -17,6 +17,8 @@ import cpu_devices
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # a subprocess on several virtual CPU devices
+
 SCRIPT = textwrap.dedent(
   """
     import json

@@ -28,6 +28,8 @@ import multiprocess_worker as worker
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # two JAX processes of two CPU devices each
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
 TIMEOUT = 240  # seconds, for each group of processes
 TRAINED = ["data_parallel", "fsdp", "shard_map", "train_step"]

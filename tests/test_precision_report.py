@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from report_models import deep_model
 
 import jaxamp
 
@@ -140,6 +141,10 @@ class Mlp(nn.Module):
     return jax.nn.log_softmax(nn.Dense(4)(h))
 
 
+MLP_X = jax.random.normal(jax.random.key(3), (16, 8))
+MLP_PARAMS = Mlp().init(jax.random.key(4), MLP_X)
+
+
 @pytest.mark.parametrize(
   "device_type,dtype,rounding",
   [("cpu", "bfloat16", BF16_ROUNDING), ("cuda", "float16", F16_ROUNDING)],
@@ -166,10 +171,43 @@ def test_the_report_prints_as_a_table_and_converts_to_dicts():
   lines = str(report).splitlines()
   assert lines[0].startswith("precision_report('cuda', float16): ")
   assert lines[1].split()[:6] == ["path", "primitive", "rule", "dtype", "local", "accumulated"]
-  assert len(lines) == 2 + len(report.entries)
-  assert "scan" in str(report) and "test_precision_report.py:" in str(report)
+  assert len(lines) == 3 + len(report.entries)  # title, header, entries, what an error is
+  assert lines[-1].startswith("error = max|autocast - float32| / max|float32|")
+  assert "scan" in str(report) and "_report.py:" in str(report)  # a long file name is cut
+  assert "test_precision_report.py:" in report.table(full=True)
   assert tuple(report.to_dicts()[0]) == jaxamp.PrecisionEntry._fields
-  assert len(str(report.worst(2)).splitlines()) == 4
+  assert len(str(report.worst(2)).splitlines()) == 5
+
+
+def test_the_default_table_fits_100_columns():
+  report = jaxamp.precision_report(deep_model, device_type="cuda")(X, W)
+  assert max(map(len, str(report).splitlines())) <= 100
+  assert max(map(len, str(report.where_error_starts()).splitlines())) <= 100
+
+
+def test_the_full_table_adds_name_stacks_runs_and_torch_ops():
+  report = jaxamp.precision_report(Mlp().apply, device_type="cuda")(MLP_PARAMS, MLP_X)
+  header = report.table(full=True).splitlines()[1].split()
+  assert header[-6:] == ["runs", "source", "name", "stack", "torch", "ops"]
+  assert "Mlp/Dense_0" in report.table(full=True) and "Mlp/Dense_0" not in str(report)
+
+
+def fp16_dot_then_float32_ops(x, w):
+  # The dot runs in float16 under "cuda" (torch's matmul); exp and log run in float32 (torch's
+  # float32 list) on its rounded output: they inherit its error and amplify it.
+  return jnp.log(jnp.exp(4.0 * (x @ w)) + 1.0)
+
+
+def test_the_local_error_view_ranks_a_low_precision_op_above_the_float32_ops_after_it():
+  report = jaxamp.precision_report(fp16_dot_then_float32_ops, device_type="cuda")(X, W)
+  (exp,) = entries(report, "exp")
+  (dot,) = entries(report, "dot_general")
+  assert exp.compute_dtype == "float32" and exp.accumulated_error > dot.accumulated_error
+  assert report.entries.index(exp) < report.entries.index(dot)  # by accumulated error
+  starts = report.where_error_starts()
+  assert starts.entries[0] == dot and starts.order == "local"
+  assert all(e.compute_dtype != "float32" for e in starts.entries)  # exact in float32: left out
+  assert "where the error starts" in str(starts).splitlines()[0]
 
 
 def rms_norm(h):
@@ -219,3 +257,5 @@ def test_precision_report_rejects_bad_input():
   report = jaxamp.precision_report(chain, device_type="cuda")(X, W)
   with pytest.raises(ValueError, match="`n` must be"):
     report.worst(-1)
+  with pytest.raises(ValueError, match="`at_least` must be"):
+    report.where_error_starts(at_least=-1.0)

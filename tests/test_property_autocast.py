@@ -16,7 +16,7 @@ softmax / log_softmax / layer-norm composites (``jax.nn``, flax and hand-written
   within the low dtype's tolerance (see ``assert_close_where_not_tiny``).
 
 The expected categories are written here from torch's op reference
-(``shared/reference/torch_amp_op_reference.md``), not read from jaxamp's tables.
+(``tests/data/torch_autocast_op_reference.json``), not read from jaxamp's tables.
 Deviations the properties found have minimal reproductions at the end.
 Examples are deterministic (fixed seed, no database) and few: each numeric example compiles.
 """
@@ -35,6 +35,8 @@ from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from jax.extend import core as jex_core
 
 import jaxamp
+
+pytestmark = pytest.mark.slow  # hypothesis: many examples, each compiles
 
 DEVICES = ("cuda", "xpu", "cpu")
 LOW = {

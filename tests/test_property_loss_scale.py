@@ -35,6 +35,8 @@ from jax import lax
 
 import jaxamp
 
+pytestmark = pytest.mark.slow  # hypothesis: many examples, each compiles
+
 STEPS = 300
 MAX_BURST = 40
 PARAMS = {

@@ -80,6 +80,7 @@ def test_docs_scaling_has_multihost_programs():
   assert any(p.id.startswith("docs/scaling.md:") for p in MULTIHOST_BLOCKS)
 
 
+@pytest.mark.slow  # two JAX processes
 @pytest.mark.parametrize("document, code, first_line", MULTIHOST_BLOCKS)
 def test_documented_multihost_program_runs_in_two_processes(document, code, first_line, tmp_path):
   program = tmp_path / "train.py"

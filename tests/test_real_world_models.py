@@ -45,9 +45,12 @@ from real_world import equinox_examples, flax_lm1b, flax_nnx_mnist, flax_resnet
 
 import jaxamp
 
-pytestmark = pytest.mark.filterwarnings(  # lm1b's model code uses linen's SelfAttention
-  "ignore:SelfAttention will be deprecated:DeprecationWarning"
-)
+pytestmark = [
+  pytest.mark.slow,  # trains real models (ResNet, lm1b, nnx MNIST, Equinox) for a few steps
+  pytest.mark.filterwarnings(  # lm1b's model code uses linen's SelfAttention
+    "ignore:SelfAttention will be deprecated:DeprecationWarning"
+  ),
+]
 
 STEPS, LOSS_RTOL = 8, 0.15
 F32 = jnp.dtype(jnp.float32)

@@ -25,6 +25,8 @@ from flax.training.train_state import TrainState
 import jaxamp
 from jaxamp._src.train import make_nnx_train_step, make_train_step
 
+pytestmark = pytest.mark.slow  # trains each policy for many steps
+
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
 STEPS, BATCH_SIZE, LEARNING_RATE = 300, 64, 1e-3

@@ -28,6 +28,7 @@ from jaxamp._src import (
   policy,
   regions,
 )
+from jaxamp._src.table import ELIGIBLE_DTYPES
 
 _TRACE_CACHE_SIZE = 512
 # Traces by function and signature. The function, a bound method's instance and static
@@ -81,7 +82,7 @@ def autocast(
         "pass one."
       )
     fun, device_type = None, fun
-  settings = policy.make_policy(device_type, dtype, cache_enabled)
+  amp_policy = policy.make_policy(device_type, dtype, cache_enabled)
   if not isinstance(enabled, bool):
     raise TypeError(f"`enabled` must be a bool; got {enabled!r}.")
   if fun is None:
@@ -90,7 +91,7 @@ def autocast(
     )
   if not callable(fun):
     raise TypeError(f"autocast transforms a callable; got {fun!r} of type {type(fun).__name__}.")
-  return _wrap(fun, settings if enabled else None)
+  return _wrap(fun, amp_policy if enabled else None)
 
 
 class _AutocastDecorator:
@@ -101,20 +102,20 @@ class _AutocastDecorator:
   that shows the two spellings.
   """
 
-  def __init__(self, settings: dict[str, Any]):
-    self._settings = settings
+  def __init__(self, options: dict[str, Any]):
+    self._options = options
 
   def __call__(self, fun: Callable) -> Callable:
     if isinstance(fun, str):  # a decorator applies to a function, not to a device type
       raise TypeError(f"autocast transforms a callable; got {fun!r} of type str.")
-    return autocast(fun, **self._settings)
+    return autocast(fun, **self._options)
 
   def __repr__(self) -> str:
-    settings = ", ".join(f"{k}={v!r}" for k, v in self._settings.items())
-    return f"jaxamp.autocast({settings})"
+    options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
+    return f"jaxamp.autocast({options})"
 
   def __enter__(self):
-    device = f'device_type="{self._settings["device_type"] or "cuda"}"'
+    device = f'device_type="{self._options["device_type"] or "cuda"}"'
     raise TypeError(
       "jaxamp.autocast is a function transformation, not a context manager: JAX traces "
       "functions, so autocast rewrites a function instead of switching a mode on for a block. "
@@ -128,27 +129,27 @@ class _AutocastDecorator:
     return False
 
 
-def _wrap(fun: Callable, settings: policy.Policy | None) -> Callable:
+def _wrap(fun: Callable, amp_policy: policy.Policy | None) -> Callable:
   if nnx_modules.is_module(fun) or _has_array_leaves(fun):
     nnx_modules.register_data_type(AutocastModule)  # an nnx Module may hold it as an attribute
-    return AutocastModule(fun, settings)
+    return AutocastModule(fun, amp_policy)
 
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
-    return _run(fun, settings, args, kwargs)
+    return _run(fun, amp_policy, args, kwargs)
 
   return autocast_fun
 
 
-def _run(fun: Callable, settings: policy.Policy | None, args: tuple, kwargs: dict) -> Any:
-  """``fun(*args, **kwargs)`` in a kept region, autocast with ``settings`` (None: as written)."""
+def _run(fun: Callable, amp_policy: policy.Policy | None, args: tuple, kwargs: dict) -> Any:
+  """``fun(*args, **kwargs)`` in a kept region, autocast with ``amp_policy`` (None: as written)."""
   with regions.kept_region(regions.AUTOCAST_MARK):
-    if settings is None:
+    if amp_policy is None:
       return fun(*args, **kwargs)
     if nnx_modules.contains_modules((args, kwargs)):
-      run = lambda pure_fun, a, k: call(pure_fun, settings, a, k)
+      run = lambda pure_fun, a, k: call(pure_fun, amp_policy, a, k)
       return nnx_modules.call_keeping_state(run, fun, args, kwargs)
-    return call(fun, settings, args, kwargs)
+    return call(fun, amp_policy, args, kwargs)
 
 
 def _has_array_leaves(fun: Any) -> bool:
@@ -174,14 +175,14 @@ class AutocastModule:
   """
 
   __wrapped__: Any
-  _settings: policy.Policy | None
+  _policy: policy.Policy | None
 
-  def __init__(self, module: Any, settings: policy.Policy | None):
+  def __init__(self, module: Any, amp_policy: policy.Policy | None):
     self.__wrapped__ = module
-    self._settings = settings
+    self._policy = amp_policy
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return _run(nnx_modules.call_module, self._settings, (self.__wrapped__, *args), kwargs)
+    return _run(nnx_modules.call_module, self._policy, (self.__wrapped__, *args), kwargs)
 
   def __getattr__(self, name: str) -> Any:
     if name.startswith("__") and name.endswith("__"):  # no copy/pickle protocol lookups
@@ -189,20 +190,20 @@ class AutocastModule:
     return getattr(object.__getattribute__(self, "__wrapped__"), name)
 
   def __repr__(self) -> str:
-    settings = self._settings
-    if settings is None:
+    amp_policy = self._policy
+    if amp_policy is None:
       return f"jaxamp.autocast({self.__wrapped__!r}, enabled=False)"
     return (
-      f"jaxamp.autocast({self.__wrapped__!r}, device_type={settings.device_type!r}, "
-      f"dtype={settings.dtype.name})"
+      f"jaxamp.autocast({self.__wrapped__!r}, device_type={amp_policy.device_type!r}, "
+      f"dtype={amp_policy.dtype.name})"
     )
 
   def tree_flatten_with_keys(self) -> tuple[tuple, policy.Policy | None]:
-    return ((jax.tree_util.GetAttrKey("__wrapped__"), self.__wrapped__),), self._settings
+    return ((jax.tree_util.GetAttrKey("__wrapped__"), self.__wrapped__),), self._policy
 
   @classmethod
-  def tree_unflatten(cls, settings: policy.Policy | None, children: tuple) -> AutocastModule:
-    return cls(children[0], settings)
+  def tree_unflatten(cls, amp_policy: policy.Policy | None, children: tuple) -> AutocastModule:
+    return cls(children[0], amp_policy)
 
 
 def is_array(x: Any) -> bool:
@@ -246,15 +247,15 @@ def trace(fun: Callable, args: tuple, kwargs: dict) -> Traced:
   return Traced(closed, arrays, in_tree, dynamic, in_avals, out_tree, static_outs, state_outputs)
 
 
-def call(fun: Callable, settings: policy.Policy, args: tuple, kwargs: dict) -> Any:
-  """Calls ``fun`` on ``args`` and ``kwargs`` with ``settings``' autocast.
+def call(fun: Callable, amp_policy: policy.Policy, args: tuple, kwargs: dict) -> Any:
+  """Calls ``fun`` on ``args`` and ``kwargs`` under ``amp_policy``.
 
   Outputs leave in the dtype the policy produced, except state threaded through (see
   ``_state_outputs``), which leaves in its traced dtype.
   """
   traced = trace(fun, args, kwargs)
   closed = traced.jaxpr
-  ctx = context.Context(settings, higher_order.RULES)
+  ctx = context.Context(amp_policy, higher_order.RULES)
   outs = interpreter.evaluate(closed.jaxpr, closed.consts, traced.arrays, ctx)
   for i, dtype in traced.state_outputs:
     if getattr(outs[i], "dtype", None) != dtype:
@@ -325,16 +326,13 @@ def _state_outputs(
       ):
         found.update((out_pos[o], out_avals[out_pos[o]].dtype) for o, _ in pairs)
         break
-  return tuple((k, dtype) for k, dtype in sorted(found.items()) if dtype in _FLOATS)
+  return tuple((k, dtype) for k, dtype in sorted(found.items()) if dtype in ELIGIBLE_DTYPES)
 
 
 def _is_state_container(treedef) -> bool:
   """Whether a pytree node can hold state: any container but a plain tuple or list."""
   data = treedef.node_data()
   return data is not None and data[0] not in (tuple, list)
-
-
-_FLOATS = frozenset(np.dtype(t) for t in ("float32", "float16", jax.numpy.bfloat16))
 
 
 _TRACED = object()  # marks the outputs that come from the jaxpr
@@ -446,9 +444,9 @@ def custom_bwd(fun: Callable | None = None, *, device_type: str | None = None) -
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    settings = higher_order.backward_policy()
-    if settings is None:
+    amp_policy = higher_order.backward_policy()
+    if amp_policy is None:
       return fun(*args, **kwargs)
-    return call(fun, settings, args, kwargs)
+    return call(fun, amp_policy, args, kwargs)
 
   return wrapped

@@ -86,6 +86,13 @@ def convert(value, dtype: np.dtype) -> Any:
   return lax.convert_element_type(value, dtype)
 
 
+def as_dtype(value, dtype: np.dtype | None) -> Any:
+  """``value`` in ``dtype`` (None: as it is), converted only if it is not in it already."""
+  if dtype is None or compat.typeof(value).dtype == dtype:
+    return value
+  return convert(value, dtype)
+
+
 def _converter(dtype: np.dtype):
   def convert_element_type(value):
     return lax.convert_element_type(value, dtype)

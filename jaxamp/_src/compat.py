@@ -409,6 +409,24 @@ def bilinear_primitive(
   return primitive
 
 
+def platform_identity(name: str, platform: str, lowered: Callable[[Any], Any]) -> Any:
+  """A new primitive of one operand: the identity, but lowered as ``lowered(x)`` for
+  ``platform`` (``"cpu"``). Linear, elementwise under ``vmap``; nothing is traced per platform,
+  unlike ``lax.platform_dependent``."""
+  from jax.interpreters import ad, batching, mlir
+
+  primitive = jex_core.Primitive(name)
+  primitive.def_impl(lambda x: x)
+  primitive.def_abstract_eval(lambda aval: aval)
+  mlir.register_lowering(primitive, mlir.lower_fun(lambda x: x, multiple_results=False))
+  mlir.register_lowering(
+    primitive, mlir.lower_fun(lowered, multiple_results=False), platform=platform
+  )
+  ad.deflinear2(primitive, lambda ct, _: [primitive.bind(ct)])
+  batching.defvectorized(primitive)
+  return primitive
+
+
 def bilinear_transpose(primitive, ct, operands: Sequence[Any], linear: int, params) -> Any:
   """The cotangent of operand ``linear`` of a bilinear ``primitive`` (``dot_general``,
   ``conv_general_dilated``) at ``ct``, by JAX's own transpose rule; of ``operands[linear]`` only

@@ -1,5 +1,5 @@
 """The state of one autocast evaluation: what an eqn inherits (``Context``), the rules handed
-to the interpreter (``Rules``), one jaxpr's values and concerns (``Env``), and ``explain``'s
+to the interpreter (``RuleSet``), one jaxpr's values and concerns (``Env``), and ``explain``'s
 recorder.
 
 The interpreter (``interpreter.py``), the rules (``rules.py``, ``higher_order.py``) and the
@@ -20,17 +20,47 @@ import numpy as np
 from jaxamp._src import casting, compat, dataflow, op_calls, regions
 from jaxamp._src.policy import Policy
 
-# A higher-order rule: (eqn, input values, the outer jaxpr's Env, Context) -> outputs.
-HigherOrderRule = Callable[[Any, list, "Env", "Context"], list[Any]]
+# Every rule: (eqn, the Env of its jaxpr, Context) -> ``rules.Applied`` (outputs, ruling, the
+# values bound on). Inside an op call, ``env.call`` is the call.
+Rule = Callable[[Any, "Env", "Context"], Any]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Rules:
-  """The rules the interpreter dispatches to beyond ``rules.py``: those of higher-order
-  primitives, which evaluate their bodies with the interpreter itself (``higher_order.RULES``).
-  Compared by identity, so a ``Context`` holding it keys caches."""
+class RuleSet:
+  """Every rule the interpreter dispatches to, each of the one shape ``Rule``, and the one
+  ``dispatch`` that picks an eqn's. Built by ``rules.rule_set``; compared by identity, so a
+  ``Context`` holding it keys caches.
 
-  higher_order: Mapping[Any, HigherOrderRule]
+  Attributes:
+    kept: for eqns of kept regions (an inner autocast, ``autocast_disabled()``).
+    higher_order: by primitive, the rules that rewrite bodies (jit, scan, cond, ...).
+    keeps_dtypes: whether a primitive runs in its traced dtypes (dtype-sensitive, unknown).
+    traced_dtypes: the rule for those.
+    outside: by primitive, special cases outside op calls; ``by_category`` for the rest.
+    inside: by primitive, special cases inside op calls; ``op_entry`` for the rest.
+  """
+
+  kept: Rule
+  higher_order: Mapping[Any, Rule]
+  keeps_dtypes: Callable[[Any], bool]
+  traced_dtypes: Rule
+  outside: Mapping[Any, Rule]
+  by_category: Rule
+  inside: Mapping[Any, Rule]
+  op_entry: Rule
+
+  def dispatch(self, eqn, kept: bool, in_op: bool) -> Rule:
+    """The rule for ``eqn``: in a kept region, or inside an op call, or outside."""
+    if kept:
+      return self.kept
+    rule = self.higher_order.get(eqn.primitive)
+    if rule is not None:
+      return rule
+    if self.keeps_dtypes(eqn):
+      return self.traced_dtypes
+    if in_op:
+      return self.inside.get(eqn.primitive, self.op_entry)
+    return self.outside.get(eqn.primitive, self.by_category)
 
 
 class Context(NamedTuple):
@@ -38,12 +68,12 @@ class Context(NamedTuple):
 
   Attributes:
     policy: the active policy.
-    rules: the higher-order rules.
+    rules: the rules.
     op: the enclosing op region, whose inside runs natively.
   """
 
   policy: Policy
-  rules: Rules
+  rules: RuleSet
   op: regions.OpRegion | None = None
 
 
@@ -81,7 +111,9 @@ class Env:
     exits: what FLOAT32_INSIDE op calls return their results in.
     op_numbers: numbers the op calls found in this jaxpr.
     recorder: ``explain``'s recorder, if one is installed and this pass is not a discovery pass.
-    in_checkpointed_op: evaluating one ``RECOMPUTED_OPS`` call under ``jax.checkpoint``.
+    checkpoint_ops: whether ``RECOMPUTED_OPS`` calls run under ``jax.checkpoint`` (not when
+      already inside one, nor when evaluated eagerly).
+    call: the op call of the eqn being evaluated (None outside op calls).
   """
 
   def __init__(
@@ -91,7 +123,7 @@ class Env:
     casts: casting.CastCache | None = None,
     facts: dataflow.Provenance | None = None,
     record: bool = True,
-    in_checkpointed_op: bool = False,
+    checkpoint_ops: bool = True,
   ):
     self.ctx = ctx
     self.path = path
@@ -102,7 +134,8 @@ class Env:
     self.exits = op_calls.OpExits()
     self.op_numbers = itertools.count(1)
     self.recorder = current_recorder() if record else None
-    self.in_checkpointed_op = in_checkpointed_op
+    self.checkpoint_ops = checkpoint_ops
+    self.call: op_calls.OpCall | None = None
 
   def read(self, atom) -> Any:
     return atom.val if compat.is_literal(atom) else self.values[atom]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._src import caches, casting, compat, context, regions
+from jaxamp._src import caches, casting, compat, context, regions, rules
 from jaxamp._src.context import Context, Env
 from jaxamp._src.interpreter import evaluate
 
@@ -75,12 +75,6 @@ def known_constants(atoms, ctx: Context) -> tuple:
 def computed_inputs(env: Env, atoms) -> tuple[bool, ...]:
   """Which of ``atoms`` are activations computed outside the body (``is_computed``)."""
   return tuple(env.facts.is_computed(a) for a in atoms)
-
-
-def cast_value(value, dtype):
-  if dtype is None or compat.typeof(value).dtype == dtype:
-    return value
-  return lax.convert_element_type(value, dtype)
 
 
 def rewrite(
@@ -160,7 +154,7 @@ def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed, constant
   outs = evaluate(jaxpr, consts, args, ctx, env=env, computed=computed, constants=constants)
   if out_dtypes is None:
     return outs
-  return [cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
+  return [casting.as_dtype(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
 
 
 def sub_path(path: str, eqn, part: str = "") -> str:
@@ -554,19 +548,20 @@ def _dtype_marker(dtype) -> jax.Array:
   return jnp.zeros((0,), dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.bool_)
 
 
-# Higher-order primitive -> its rule: each rewrites its bodies and re-binds the primitive.
-RULES = context.Rules(
-  higher_order={
-    prims.jit_p: _jit_rule,
-    prims.closed_call_p: _closed_call_rule,
-    prims.composite_p: _composite_rule,
-    prims.remat_p: _remat_rule,
-    prims.scan_p: _scan_rule,
-    prims.while_p: _while_rule,
-    prims.cond_p: _cond_rule,
-    prims.shard_map_p: _shard_map_rule,
-    prims.linear_solve_p: _linear_solve_rule,
-    prims.custom_jvp_call_p: _custom_jvp_rule,
-    prims.custom_vjp_call_p: _custom_vjp_rule,
-  }
-)
+# Higher-order primitive -> its body rule: each rewrites its bodies and re-binds the primitive.
+BODY_RULES: dict[Any, rules.BodyRule] = {
+  prims.jit_p: _jit_rule,
+  prims.closed_call_p: _closed_call_rule,
+  prims.composite_p: _composite_rule,
+  prims.remat_p: _remat_rule,
+  prims.scan_p: _scan_rule,
+  prims.while_p: _while_rule,
+  prims.cond_p: _cond_rule,
+  prims.shard_map_p: _shard_map_rule,
+  prims.linear_solve_p: _linear_solve_rule,
+  prims.custom_jvp_call_p: _custom_jvp_rule,
+  prims.custom_vjp_call_p: _custom_vjp_rule,
+}
+
+# The rules autocast evaluates with: ``rules.py``'s and these.
+RULES = rules.rule_set(BODY_RULES)

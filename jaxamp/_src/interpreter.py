@@ -63,7 +63,7 @@ def evaluate(
   if ctx.op is not None:
     inside = op_calls.OpCall(ctx.op, ctx.op.instance, op_calls.op_category(ctx.op, ctx.policy))
   calls = op_calls.op_calls(jaxpr.eqns, marks, inside, ctx.policy, env.op_numbers)
-  runs = {} if env.in_checkpointed_op or inside is not None else op_calls.recomputed_runs(calls)
+  runs = {} if not env.checkpoint_ops or inside is not None else op_calls.recomputed_runs(calls)
   index = 0
   while index < len(jaxpr.eqns):
     segment = None
@@ -93,14 +93,16 @@ def _eval_one(
   eqn, marks: regions.Marks, call: op_calls.OpCall | None, env: Env, ctx: Context
 ) -> None:
   converts = env.casts.converts
+  if marks.kept:
+    call = None
   with compat.traceback_of(eqn):  # the casts an eqn needs point at its source line
-    if marks.kept:
-      _leave_ops(env, eqn.invars, None)
-      applied, region = rules.kept(eqn, env, ctx), None
-    else:
-      region = call.instance if call is not None else None
-      _leave_ops(env, eqn.invars, region)
-      applied = _in_op(eqn, env, ctx, call) if call is not None else _outside_ops(eqn, env, ctx)
+    region = call.instance if call is not None else None
+    _leave_ops(env, eqn.invars, region)
+    if call is not None:
+      _enter_op(eqn, env, ctx, call)
+    env.call = call
+    rule = ctx.rules.dispatch(eqn, kept=marks.kept, in_op=call is not None)
+    applied = rule(eqn, env, ctx)
   if env.recorder is not None:
     env.recorder(
       env.path,
@@ -114,20 +116,12 @@ def _eval_one(
   for var, value in zip(eqn.outvars, applied.outs, strict=True):
     env.values[var] = value
     env.region[var] = region
-  env.facts.note(eqn)
+  rules.record_facts(eqn, env, applied)
 
 
-def _outside_ops(eqn, env: Env, ctx: Context) -> rules.Applied:
-  higher_order = ctx.rules.higher_order.get(eqn.primitive)
-  if higher_order is not None:
-    invals = [env.read(a) for a in eqn.invars]
-    return rules.Applied(higher_order(eqn, invals, env, ctx), rules.Ruling("higher-order"), invals)
-  if rules.keeps_dtypes(eqn, ctx.rules.higher_order):
-    return rules.traced_dtypes(eqn, env, ctx)
-  return rules.PRIMITIVE_RULES.get(eqn.primitive, rules.by_category)(eqn, env, ctx)
-
-
-def _in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> rules.Applied:
+def _enter_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> None:
+  """What an op call's eqn owes the call whatever its rule: a FORBIDDEN op raises, and a
+  FLOAT32_INSIDE op notes the types of the values entering it (its exits follow them)."""
   if call.category is Category.FORBIDDEN:
     raise RuntimeError(
       f"`{call.region.name}` is unsafe to autocast under the {ctx.policy.device_type!r} "
@@ -143,9 +137,6 @@ def _in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> rules.Applied:
       if not compat.is_literal(a) and env.region.get(a) != call.instance
     ]
     env.exits.note_entering(call.instance, entering, call.region.name in op_calls.STATEFUL_OPS)
-  if rules.keeps_dtypes(eqn, ctx.rules.higher_order):
-    return rules.traced_dtypes(eqn, env, ctx, rules.op_ruling(call))
-  return rules.IN_OP_RULES.get(eqn.primitive, rules.op_entry)(eqn, env, ctx, call)
 
 
 def _leave_ops(env: Env, atoms, instance: str | None) -> None:
@@ -207,7 +198,7 @@ def _eval_recomputed(segment: op_calls.Segment, env: Env, ctx: Context) -> list[
       path,
       facts=env.facts.carried(segment.invars),
       record=env.recorder is not None,
-      in_checkpointed_op=True,
+      checkpoint_ops=False,
     )
     return evaluate(segment, (), values, ctx, env=inner, computed=computed)
 

@@ -155,11 +155,23 @@ class DynamicLossScaleState(NamedTuple):
 
 
 def _tree_found_inf(tree: Any) -> jax.Array:
-  """One bool: whether any inexact leaf of ``tree`` holds an Inf or NaN."""
-  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  if not leaves:
+  """One bool: whether any inexact leaf of ``tree`` holds an Inf or NaN.
+
+  ``x * 0`` is 0 where ``x`` is finite and NaN where it is Inf or NaN, so one sum says it for a
+  whole leaf, and the leaves of one size and dtype are summed elementwise first: one reduction
+  (one XLA kernel to compile) per group instead of an ``isfinite`` and an ``all`` per leaf, which
+  XLA:CPU compiled into four kernels a leaf. Each gradient is still read once.
+  """
+  groups: dict[tuple[Any, int], Any] = {}
+  for x in jax.tree.leaves(tree):
+    dtype = jnp.result_type(x)
+    if jnp.issubdtype(dtype, jnp.inexact):
+      zeros = jnp.ravel(x) * jnp.zeros([], dtype)
+      key = (dtype, zeros.size)
+      groups[key] = zeros if key not in groups else groups[key] + zeros
+  if not groups:
     return jnp.array(False)
-  return jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
+  return functools.reduce(jnp.logical_or, [jnp.sum(z) != 0 for z in groups.values()])
 
 
 def _tree_unscale(tree: Any, scale: jax.Array) -> Any:
@@ -198,7 +210,7 @@ def _found_inf(grads: Any, axis_name: Any) -> jax.Array:
   return found_inf
 
 
-def _no_op_update(shape: jax.ShapeDtypeStruct) -> jax.Array:
+def _no_op_update(shape: Any) -> jax.Array:
   """The update of a skipped step: -0.0, for ``p + -0.0`` is ``p`` bit for bit (``+0.0`` would
   turn a ``-0.0`` parameter into ``+0.0``). Varying over the manual axes ``shape`` varies over."""
   if jnp.issubdtype(shape.dtype, jnp.inexact):
@@ -213,7 +225,7 @@ def _varying_axes(x: Any) -> frozenset:
 
   Empty outside ``shard_map`` and under ``check_vma=False``: there nothing is typed as varying.
   """
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  aval = x if isinstance(x, jax.ShapeDtypeStruct | jax.core.AbstractValue) else jax.typeof(x)
   manual = getattr(aval, "manual_axis_type", None)
   if manual is not None:
     return frozenset(manual.varying)
@@ -230,6 +242,37 @@ def _vary_like(x: Any, like: Any) -> Any:
   if not missing:
     return x
   return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
+
+
+def _skip_if(found_inf: jax.Array, do_update: Any, old_state: Any) -> tuple[Any, Any]:
+  """``do_update(None)``, or where ``found_inf`` -0.0 updates and ``old_state``: one ``lax.cond``.
+
+  The skipped branch needs the shapes of the taken one's outputs. ``lax.cond`` traces its true
+  branch first, so the taken branch records them as it is traced, and the inner update is traced
+  once (``jax.eval_shape`` traced it a second time); the fallback covers other orders.
+  Under ``shard_map`` the branches must agree on the axes each output varies over: a skipped
+  step's -0.0 updates vary like the taken step's updates, and each inner state leaf varies
+  over the axes of its old and its new value in both branches (sharded gradients make the new
+  updates and moments vary where the constants and the old state need not).
+  """
+  traced = []
+
+  def take_update(_: None) -> tuple[Any, Any]:
+    out = do_update(None)
+    traced.append(jax.tree.map(jax.typeof, out))  # avals: shape, dtype, varying axes
+    new_updates, inner_state = out
+    if jax.tree.structure(inner_state) == jax.tree.structure(old_state):  # else cond reports it
+      inner_state = jax.tree.map(_vary_like, inner_state, old_state)
+    return new_updates, inner_state
+
+  def skip_update(_: None) -> tuple[Any, Any]:
+    out_updates, out_state = traced[0] if traced else jax.eval_shape(do_update, None)
+    inner_state = old_state
+    if jax.tree.structure(out_state) == jax.tree.structure(old_state):
+      inner_state = jax.tree.map(_vary_like, inner_state, out_state)
+    return jax.tree.map(_no_op_update, out_updates), inner_state
+
+  return lax.cond(jnp.logical_not(found_inf), take_update, skip_update, None)
 
 
 def _next_scale(
@@ -364,26 +407,8 @@ def dynamic_loss_scale(
       grads = _tree_unscale_by(updates, factors) if unscale_first else updates
       return inner.update(grads, state.inner_state, params, **extra_args)
 
-    # Under shard_map the branches must agree on the axes each output varies over: a skipped
-    # step's -0.0 updates vary like the taken step's updates, and each inner state leaf varies
-    # over the axes of its old and its new value in both branches (sharded gradients make
-    # the new updates and moments vary where the constants and the old state need not).
-    out_updates, out_state = jax.eval_shape(do_update, None)
-    same_tree = jax.tree.structure(out_state) == jax.tree.structure(state.inner_state)
-
-    def take_update(_: None) -> tuple[optax.Updates, optax.OptState]:
-      new_updates, inner_state = do_update(None)
-      if same_tree:  # else the cond reports the mismatch
-        inner_state = jax.tree.map(_vary_like, inner_state, state.inner_state)
-      return new_updates, inner_state
-
-    def skip_update(_: None) -> tuple[optax.Updates, optax.OptState]:
-      inner_state = state.inner_state
-      if same_tree:
-        inner_state = jax.tree.map(_vary_like, inner_state, out_state)
-      return jax.tree.map(_no_op_update, out_updates), inner_state
-
-    new_updates, inner_state = lax.cond(found_inf, skip_update, take_update, None)
+    # A cond, not a select per leaf: selects on the flag compiled 2-3x slower at 500 leaves.
+    new_updates, inner_state = _skip_if(found_inf, do_update, state.inner_state)
     scale, growth_tracker = _next_scale(
       state.scale, state.growth_tracker, found_inf, state.hyperparams
     )

@@ -115,7 +115,7 @@ class NonfiniteReport(NamedTuple):
 
   @property
   def paths(self) -> tuple[str, ...]:
-    """The "/"-joined key paths of the leaves, in tree order: ``params/Dense_0/kernel``."""
+    """The "/"-joined key paths of the leaves, in tree order, e.g. ``params/Dense_0/kernel``."""
     return self.structure.paths
 
   @property
@@ -139,7 +139,7 @@ class NonfiniteReport(NamedTuple):
 
   @property
   def any_nonfinite(self) -> jax.Array:
-    """Whether any leaf holds a NaN or an Inf: a bool scalar array, usable inside ``jit``."""
+    """Whether any leaf holds a NaN or an Inf, as a bool scalar array (usable inside ``jit``)."""
     return jnp.asarray(self.nonfinite_leaves) > 0
 
   def items(self) -> list[tuple[str, LeafStats]]:
@@ -195,8 +195,8 @@ def nonfinite_report(tree: Any) -> NonfiniteReport:
   """Counts the NaN, +Inf and -Inf values and the largest finite magnitude of every leaf.
 
   Works on any pytree of arrays: gradients, activations, parameters, optimizer states, nnx
-  ``State``s. Floating leaves (float16, bfloat16, float32, float64, complex) are inspected;
-  integer and bool leaves are finite (zero counts, ``max_finite`` 0). jit-, vmap- and
+  ``State`` objects. Floating leaves (float16, bfloat16, float32, float64, complex) are
+  inspected; integer and bool leaves are finite (zero counts, ``max_finite`` 0). jit-, vmap- and
   shard_map-compatible; the result is a pytree of arrays.
 
   Example::

@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import autocast as autocast_lib
-from jaxamp._src import compat, context, explain, higher_order, interpreter, policy, rules
+from jaxamp._src import casting, compat, context, explain, higher_order, interpreter, policy, rules
 from jaxamp._src.table import LOW_DTYPES
 
 prims = compat.primitives
@@ -96,8 +96,10 @@ class PrecisionEntry(NamedTuple):
 class PrecisionReport(NamedTuple):
   """The precision an autocast function loses, per primitive, worst first.
 
-  ``str(report)`` is a table; ``report.entries`` the data (``to_dicts()`` as dicts);
-  ``sorted_by("local")`` reorders by local error; ``worst(n)`` keeps the first ``n`` entries.
+  ``str(report)`` is a table that fits 100 columns; ``table(full=True)`` adds the name stacks
+  and torch ops and writes every cell in full; ``report.entries`` the data (``to_dicts()`` as
+  dicts); ``sorted_by("local")`` reorders by local error; ``worst(n)`` keeps the first ``n``
+  entries; ``where_error_starts()`` keeps the primitives that lose precision themselves.
 
   Attributes:
     device_type: the policy's device type.
@@ -125,37 +127,89 @@ class PrecisionReport(NamedTuple):
     return self._replace(entries=self.entries[:n])
 
   def to_dicts(self) -> list[dict[str, Any]]:
+    """The entries as dicts, one per ``PrecisionEntry`` (its fields as keys)."""
     return [e._asdict() for e in self.entries]
 
+  def where_error_starts(self, n: int = 10, at_least: float = 0.0) -> PrecisionReport:
+    """Where the error starts: the ``n`` primitives with the largest *local* error (above
+    ``at_least``), worst first.
+
+    The accumulated error of a primitive includes what its inputs carry, so the float32
+    primitives downstream of a lossy one rank high in the default order although they lose
+    nothing themselves; their local error (the primitive run in float32 on the same inputs) is 0.
+    This view keeps the primitives that lose precision themselves (a 16-bit dot, a cast to 16 bits,
+    an overflow), which is where a fix (``autocast_disabled``, a float32 op) would go.
+    """
+    if isinstance(at_least, bool) or not isinstance(at_least, int | float) or at_least < 0:
+      raise ValueError(f"`at_least` must be a non-negative number; got {at_least!r}.")
+    starts = tuple(
+      e
+      for e in self.entries
+      if e.local_error is not None and (math.isnan(e.local_error) or e.local_error > at_least)
+    )
+    return self._replace(entries=starts).sorted_by("local").worst(n)
+
   def __str__(self) -> str:
-    header = ("path", "primitive", "rule", "dtype", "local", "accumulated", "max |out|", "runs")
-    header += ("source", "name stack", "torch ops")
+    return self.table()
+
+  def table(self, full: bool = False) -> str:
+    """The entries as a table: by default one that fits ``explain.WIDTH`` columns (short dtype
+    names, long cells cut, no name stacks or torch ops); ``full=True``: every column in full."""
+    order = {"local": "local error (where the error starts)"}.get(
+      self.order, self.order.replace("_", " ") + " error"
+    )
+    title = (
+      f"precision_report({self.device_type!r}, {self.dtype}): {len(self.entries)} primitives, "
+      f"worst {order} first"
+    )
+    note = "error = max|autocast - float32| / max|float32|"
+    if full:
+      header = ("path", "primitive", "rule", "dtype", "local", "accumulated", "max |out|")
+      header += ("runs", "source", "name stack", "torch ops")
+      rows = [
+        (
+          e.path or ".",
+          e.primitive,
+          e.rule,
+          e.compute_dtype or "-",
+          _number(e.local_error),
+          _number(e.accumulated_error),
+          _number(e.max_abs),
+          str(e.count),
+          _short_source(e.source),
+          e.name_stack,
+          ", ".join(e.torch_ops[:3]) + (", ..." if len(e.torch_ops) > 3 else ""),
+        )
+        for e in self.entries
+      ]
+      return explain.text_table(f"{title}; {note}", header, rows)
+    header = ("path", "primitive", "rule", "dtype", "local", "accumulated", "max |out|", "source")
     rows = [
       (
         e.path or ".",
         e.primitive,
-        e.rule if len(e.rule) <= 32 else e.rule[:29] + "...",
-        e.compute_dtype or "-",
-        _number(e.local_error),
-        _number(e.accumulated_error),
-        _number(e.max_abs),
-        str(e.count),
+        e.rule,
+        explain.short_dtype(e.compute_dtype or "-"),
+        _short_number(e.local_error),
+        _short_number(e.accumulated_error),
+        _short_number(e.max_abs),
         _short_source(e.source),
-        e.name_stack,
-        ", ".join(e.torch_ops[:3]) + (", ..." if len(e.torch_ops) > 3 else ""),
       )
       for e in self.entries
     ]
-    title = (
-      f"precision_report({self.device_type!r}, {self.dtype}): {len(rows)} primitives, worst "
-      f"{self.order.replace('_', ' ')} error first; error = max|autocast - float32| / "
-      "max|float32|"
-    )
-    return explain.text_table(title, header, rows)
+    cut = {0: ("left", 10), 1: ("right", 11), 2: ("right", 12), 7: ("left", 22)}
+    table = explain.text_table(title, header, rows, width=explain.WIDTH, cut=cut)
+    return f"{table}\n{note}; local: the op's own; table(full=True): all columns"
 
 
 def _number(value: float | None) -> str:
   return "-" if value is None else f"{value:.1e}"
+
+
+def _short_number(value: float | None) -> str:
+  """``_number`` with a one-digit exponent where it has one: "3.8e-4", "1.0e+12"."""
+  text = _number(value)
+  return text.replace("e-0", "e-").replace("e+0", "e+")
 
 
 def _short_source(source: str) -> str:
@@ -186,7 +240,7 @@ def precision_report(fun: Callable, *, device_type: str | None = None, dtype=Non
     report = jaxamp.precision_report(loss_fn, device_type="cuda")(params, batch)
     print(report.worst(5))
   """
-  settings = policy.make_policy(device_type, dtype)
+  amp_policy = policy.make_policy(device_type, dtype)
   if not callable(fun):
     raise TypeError(f"precision_report takes a callable; got {fun!r} of type {type(fun).__name__}.")
 
@@ -203,11 +257,11 @@ def precision_report(fun: Callable, *, device_type: str | None = None, dtype=Non
     run = _Run()
     _evaluate_as_written(run, closed.jaxpr, closed.consts, arrays, "")
     run.seen.clear()
-    ctx = context.Context(settings, _autocast_rules(run))
+    ctx = context.Context(amp_policy, _autocast_rules(run))
     with context.recording(run.record):
       interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx, env=_env(ctx, ""))
     entries = _sort([site.entry() for site in run.sites.values()], "accumulated")
-    return PrecisionReport(settings.device_type, settings.dtype.name, entries)
+    return PrecisionReport(amp_policy.device_type, amp_policy.dtype.name, entries)
 
   return reported
 
@@ -273,18 +327,18 @@ class _Run:
     self.seen[where] += 1
     return (*where, occurrence)
 
-  def record(self, path, eqn, ruling, ran_on, outs, casts, active) -> None:
+  def record(self, path, eqn, ruling, ran_on, outs, casts, amp_policy) -> None:
     """The interpreter's recorder: compares one eqn of the autocast program."""
     if any(isinstance(v, jax.core.Tracer) for v in outs):
       return  # inside a body traced by a higher-order rule not evaluated eagerly (shard_map)
-    if eqn.primitive in _EAGER and ruling.rule != "kept":
+    if eqn.primitive in _EAGER and ruling.rule is not rules.Decider.KEPT:
       return  # its body's eqns are reported one by one
     reference = self.reference.pop(self.key(path, eqn), None)
     site = self.sites.get((path, id(eqn)))
     if site is None:
       source = _source([eqn, *reversed(self.outer)])
       site = self.sites[(path, id(eqn))] = _Site(
-        path, eqn, source, ruling.describe(), explain.torch_ops_of(active.table, eqn, ruling)
+        path, eqn, source, ruling.describe(), explain.torch_ops_of(amp_policy.table, eqn, ruling)
       )
     site.compute_dtype = _compute_dtype(ran_on, outs)
     site.local.append(_error(outs, _in_float32(eqn, ran_on)))
@@ -295,7 +349,7 @@ class _Run:
 def _env(ctx: context.Context, path: str) -> context.Env:
   # A float32-inside softmax is not put under jax.checkpoint (which would trace it): the values
   # are the same, and its eqns are evaluated one by one.
-  return context.Env(ctx, path, in_checkpointed_op=True)
+  return context.Env(ctx, path, checkpoint_ops=False)
 
 
 def _evaluate_as_written(run: _Run, jaxpr, consts, args, path: str) -> list:
@@ -326,7 +380,7 @@ def _as_written_bodies(run: _Run, path: str, eqn) -> Callable:
   return evaluate
 
 
-def _autocast_rules(run: _Run) -> context.Rules:
+def _autocast_rules(run: _Run) -> context.RuleSet:
   """``higher_order.RULES`` with the bodies of jit, checkpoint, scan, while, cond and custom
   derivatives evaluated eagerly by the interpreter, with the dtypes the rules give them."""
 
@@ -360,7 +414,7 @@ def _autocast_rules(run: _Run) -> context.Rules:
         outs = interpreter.evaluate(body, consts, args, ctx, env=inner, computed=flags)
         if out_dtypes is None:
           return outs
-        return [higher_order.cast_value(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
+        return [casting.as_dtype(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
 
       run.outer.append(eqn)
       try:
@@ -368,14 +422,14 @@ def _autocast_rules(run: _Run) -> context.Rules:
       finally:
         run.outer.pop()
       if outs is None:  # nothing to evaluate eagerly (an empty scan): the usual rule
-        return higher_order.RULES.higher_order[eqn.primitive](eqn, invals, env, ctx)
+        return higher_order.BODY_RULES[eqn.primitive](eqn, invals, env, ctx)
       return outs
 
     return apply
 
-  table = dict(higher_order.RULES.higher_order)
+  table = dict(higher_order.BODY_RULES)
   table.update({primitive: rule(eager) for primitive, eager in _EAGER.items()})
-  return context.Rules(higher_order=table)
+  return rules.rule_set(table)
 
 
 # --- higher-order primitives on concrete values --------------------------------------------------

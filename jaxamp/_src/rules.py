@@ -1,23 +1,25 @@
-"""The cast rules: one function per category and per special case, in registries.
+"""The cast rules: one function per category and per special case, in one ``RuleSet``.
 
 Every rule takes ``(eqn, env, ctx)`` and returns an ``Applied``: the eqn's outputs, the
 ``Ruling`` that says which rule decided (``explain`` reads it as data), and the values the
-primitive was bound on. The interpreter only dispatches:
+primitive was bound on. ``rule_set`` gathers them; ``RuleSet.dispatch`` picks an eqn's:
 
 * ``kept`` for eqns in kept regions (an inner autocast, ``autocast_disabled()``);
-* ``IN_OP_RULES`` (by primitive) or ``op_entry`` for eqns inside an op call: the values entering
-  the call are cast by the op's category, and inside it everything runs natively;
+* the higher-order rules (``higher_order.py``), which rewrite bodies, made rules by ``rewriting``;
 * ``traced_dtypes`` for dtype-sensitive and unknown primitives (``keeps_dtypes``);
-* ``PRIMITIVE_RULES`` (by primitive) or ``by_category`` for every other eqn, casting by the
-  category the policy table gives the primitive (``CAST_TARGETS``).
+* inside an op call (``env.call``), ``IN_OP_RULES`` by primitive or ``op_entry``: the values
+  entering the call are cast by the op's category, and inside it everything runs natively;
+* outside, ``PRIMITIVE_RULES`` by primitive or ``by_category``, casting by the category the
+  policy table gives the primitive (``CAST_TARGETS``).
 
-Higher-order primitives have their own registry (``higher_order.RULES``), handed to the
-interpreter in its ``Context``.
+What the rules learn about values (a low-precision matmul's output, a weak scalar) is recorded
+after the bind, in one place: ``record_facts``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import enum
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,43 +28,46 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import casting, compat, dataflow, op_calls, weight_grads
-from jaxamp._src.context import Context, Env
+from jaxamp._src.context import Context, Env, Rule, RuleSet
 from jaxamp._src.policy import Policy
 from jaxamp._src.table import LOW_DTYPES, NO_16_BIT_KERNELS, Category
 
 p = compat.primitives
 
 
+class Decider(enum.Enum):
+  """The rule that decided an eqn's dtypes (``explain`` reads it as data)."""
+
+  KEPT = "kept"
+  TRACED_DTYPES = "traced dtypes (unknown or dtype-sensitive primitive)"
+  HIGHER_ORDER = "higher-order: body rewritten"
+  WEAK_SCALAR = "native: a Python scalar follows the other operand"
+  BIAS_ADD = "lower: bias add of a low-precision dot/conv"
+  EXPLICIT_PRECISION = "explicit precision=: runs in the traced dtypes"
+  CATEGORY = "the category of the primitive"
+  OP = "the category of the op region"
+
+
 class Ruling(NamedTuple):
   """Which rule decided an eqn's dtypes.
 
   Attributes:
-    rule: the rule's name: a key of ``DESCRIPTIONS``.
+    rule: the rule.
     category: the category applied, where one was.
     op: the op region the eqn belongs to, for eqns inside an op call.
   """
 
-  rule: str
+  rule: Decider
   category: Category | None = None
   op: str | None = None
 
   def describe(self) -> str:
     """One line for ``explain``'s table: "lower", "op softmax: float32", "kept", ..."""
-    if self.rule == "category":
+    if self.rule is Decider.CATEGORY:
       return self.category.value
-    if self.rule == "op":
+    if self.rule is Decider.OP:
       return f"op {self.op}: {self.category.value}"
-    return DESCRIPTIONS[self.rule]
-
-
-DESCRIPTIONS = {
-  "kept": "kept",
-  "traced dtypes": "traced dtypes (unknown or dtype-sensitive primitive)",
-  "higher-order": "higher-order: body rewritten",
-  "weak scalar": "native: a Python scalar follows the other operand",
-  "bias add": "lower: bias add of a low-precision dot/conv",
-  "explicit precision": "explicit precision=: runs in the traced dtypes",
-}
+    return self.rule.value
 
 
 class Applied(NamedTuple):
@@ -72,8 +77,6 @@ class Applied(NamedTuple):
   ruling: Ruling
   ran_on: list[Any]
 
-
-Rule = Callable[["Any", "Env", "Context"], Applied]
 
 # --- which primitives keep their traced dtypes ---------------------------------------------------
 
@@ -140,12 +143,12 @@ SCALAR_OPMATH = frozenset(
 INDEPENDENT_OPERANDS = frozenset({p.optimization_barrier_p, p.sort_p, p.device_put_p})
 
 
-def keeps_dtypes(eqn, higher_order: Any) -> bool:
+def keeps_dtypes(eqn) -> bool:
   """Listed primitives, and unknown ones carrying jaxprs, callables or avals, keep their dtypes
-  (``higher_order``: the primitives with rules of their own, which do not)."""
+  (the higher-order primitives with rules of their own are dispatched before this is asked)."""
   if eqn.primitive in KEEP_DTYPES or eqn.primitive.name in KEEP_DTYPES_BY_NAME:
     return True
-  if eqn.primitive in COMBINER_PARAM or eqn.primitive in higher_order:
+  if eqn.primitive in COMBINER_PARAM:
     return False
   return any(
     compat.is_typed_param(item)
@@ -246,27 +249,29 @@ def _variant(eqn) -> str | None:
 
 def kept(eqn, env: Env, ctx: Context) -> Applied:
   """A kept region's eqn runs as written: on its inputs in their traced dtypes."""
-  return traced_dtypes(eqn, env, ctx, Ruling("kept"))
+  return _bind_traced(eqn, env, Ruling(Decider.KEPT))
 
 
-def traced_dtypes(eqn, env: Env, ctx: Context, ruling: Ruling | None = None) -> Applied:
+def traced_dtypes(eqn, env: Env, ctx: Context) -> Applied:
+  """A dtype-sensitive or unknown primitive runs on its inputs in their traced dtypes."""
+  ruling = op_ruling(env.call) if env.call is not None else Ruling(Decider.TRACED_DTYPES)
+  return _bind_traced(eqn, env, ruling)
+
+
+def _bind_traced(eqn, env: Env, ruling: Ruling) -> Applied:
   """Binds ``eqn`` on its inputs cast back to the dtypes they had when traced."""
   invals = [
     env.cast(a, a.aval.dtype) if casting.is_eligible(a.aval.dtype) else env.read(a)
     for a in eqn.invars
   ]
-  return Applied(compat.bind(eqn, invals), ruling or Ruling("traced dtypes"), invals)
+  return Applied(compat.bind(eqn, invals), ruling, invals)
 
 
 def by_category(eqn, env: Env, ctx: Context) -> Applied:
   """Casts the eqn's inputs as its primitive's category says, and binds it natively."""
   category = primitive_category(eqn, ctx.policy)
-  invals = cast_inputs(category, eqn, env, ctx.policy)
-  outs, ran_on = bind_native(eqn, env, ctx, invals)
-  if category is Category.LOWER and eqn.primitive in MATMULS:
-    env.facts.note_matmul(eqn)
-  env.facts.note_weak_flow(eqn)
-  return Applied(outs, Ruling("category", category), ran_on)
+  outs, ran_on = bind_native(eqn, env, cast_inputs(category, eqn, env, ctx.policy))
+  return Applied(outs, Ruling(Decider.CATEGORY, category), ran_on)
 
 
 def _convert(eqn, env: Env, ctx: Context) -> Applied:
@@ -275,10 +280,9 @@ def _convert(eqn, env: Env, ctx: Context) -> Applied:
   source = eqn.invars[0]
   if not env.facts.is_weak(source, env.read(source)):
     return by_category(eqn, env, ctx)
-  env.facts.weak.update(eqn.outvars)
   if eqn.params["new_dtype"] == source.aval.dtype:
     value = env.read(source)
-    return Applied([value], Ruling("weak scalar"), [value])
+    return Applied([value], Ruling(Decider.WEAK_SCALAR), [value])
   return by_category(eqn, env, ctx)
 
 
@@ -314,7 +318,7 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
         values = {out: env.read(out), bias: env.cast(bias, out_dtype, saturate=True)}
         invals = [values[a], values[b]]
         outs = weight_grads.bind_bias_add(eqn, env, invals)  # a float32 gradient sum
-        return Applied(outs, Ruling("bias add", Category.LOWER), invals)
+        return Applied(outs, Ruling(Decider.BIAS_ADD, Category.LOWER), invals)
   return by_category(eqn, env, ctx)
 
 
@@ -332,7 +336,7 @@ def _matmul(eqn, env: Env, ctx: Context) -> Applied:
   """A dot or conv with an explicit ``precision=`` runs in its traced dtypes, as the caller
   asked (diffrax's Runge-Kutta combination uses ``precision=HIGHEST``); others by category."""
   if explicit_precision(eqn):
-    return traced_dtypes(eqn, env, ctx, Ruling("explicit precision"))
+    return _bind_traced(eqn, env, Ruling(Decider.EXPLICIT_PRECISION))
   return by_category(eqn, env, ctx)
 
 
@@ -347,15 +351,21 @@ PRIMITIVE_RULES: dict[Any, Rule] = {
 # --- rules for eqns inside an op call ------------------------------------------------------------
 
 
-def op_entry(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
-  """Values entering the op are cast by its category; inside, everything runs natively.
+def op_entry(eqn, env: Env, ctx: Context) -> Applied:
+  """Values entering the op are cast by its category; inside, everything runs natively."""
+  return _bind_in_op(eqn, env, entering_op(eqn, env, ctx))
+
+
+def entering_op(eqn, env: Env, ctx: Context) -> list:
+  """The eqn's input values, those entering its op call (``env.call``) cast by the op's category.
 
   A parameter or constant entering other than as a matmul operand (an attention mask added to
   the scores) is cast saturating, so a ``finfo(float32).min`` stays finite in 16 bits.
   """
+  call = env.call
   entering = [not compat.is_literal(a) and env.region.get(a) != call.instance for a in eqn.invars]
   constants = [not env.facts.is_computed(a) for a in eqn.invars]
-  invals = cast_inputs(
+  return cast_inputs(
     call.category,
     eqn,
     env,
@@ -364,29 +374,28 @@ def op_entry(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
     cast_to=call.region.cast_to,
     saturate=constants,
   )
-  return _bind_in_op(eqn, env, ctx, call, invals)
 
 
-def _bind_in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall, invals: list) -> Applied:
-  outs, ran_on = bind_native(eqn, env, ctx._replace(op=call.region), invals)
-  return Applied(outs, op_ruling(call), ran_on)
+def _bind_in_op(eqn, env: Env, invals: list) -> Applied:
+  outs, ran_on = bind_native(eqn, env, invals)
+  return Applied(outs, op_ruling(env.call), ran_on)
 
 
 def op_ruling(call: op_calls.OpCall) -> Ruling:
-  return Ruling("op", call.category, call.region.name)
+  return Ruling(Decider.OP, call.category, call.region.name)
 
 
-def _convert_in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
+def _convert_in_op(eqn, env: Env, ctx: Context) -> Applied:
   """Inside a float32 op, the library's own casts (``jnp.sum``'s upcast-then-restore, an
   identity matrix made in the input's dtype) stay in float32; the caller's explicit 16-bit
   ``dtype=`` is kept."""
-  new_dtype = eqn.params["new_dtype"]
+  call, new_dtype = env.call, eqn.params["new_dtype"]
   if (
     call.category not in (Category.FLOAT32, Category.FLOAT32_INSIDE)
     or call.region.cast_to is not None
     or not casting.is_eligible(new_dtype)
   ):
-    return op_entry(eqn, env, ctx, call)
+    return op_entry(eqn, env, ctx)
   target = new_dtype if _is_explicit_dtype(eqn, env, call.instance) else jnp.dtype(jnp.float32)
   source = eqn.invars[0]
   return Applied([env.cast(source, target)], op_ruling(call), [env.read(source)])
@@ -405,30 +414,31 @@ def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
   return env.region.get(env.facts.root(source)) != instance
 
 
-def _matmul_in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
+def _matmul_in_op(eqn, env: Env, ctx: Context) -> Applied:
   """A low-precision op's own products run low too, not only what enters it; one with an
   explicit ``precision=`` runs in its traced dtypes."""
+  call = env.call
   if call.category is not Category.LOWER:
-    return op_entry(eqn, env, ctx, call)
+    return op_entry(eqn, env, ctx)
   if explicit_precision(eqn) and call.region.cast_to is None:
-    return traced_dtypes(eqn, env, ctx, op_ruling(call))
+    return _bind_traced(eqn, env, op_ruling(call))
   invals = cast_inputs(call.category, eqn, env, ctx.policy, cast_to=call.region.cast_to)
-  return _bind_in_op(eqn, env, ctx, call, invals)
+  return _bind_in_op(eqn, env, invals)
 
 
-def _no_16_bit_kernel_in_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> Applied:
+def _no_16_bit_kernel_in_op(eqn, env: Env, ctx: Context) -> Applied:
   """Linear algebra runs in float32 inside any op too (svd inside ``jnp.linalg.norm``): it has
   no 16-bit kernel."""
-  if call.region.cast_to is not None or primitive_category(eqn, ctx.policy) is not Category.FLOAT32:
-    return op_entry(eqn, env, ctx, call)
-  invals = cast_inputs(Category.FLOAT32, eqn, env, ctx.policy)
-  return _bind_in_op(eqn, env, ctx, call, invals)
+  if (
+    env.call.region.cast_to is not None
+    or primitive_category(eqn, ctx.policy) is not Category.FLOAT32
+  ):
+    return op_entry(eqn, env, ctx)
+  return _bind_in_op(eqn, env, cast_inputs(Category.FLOAT32, eqn, env, ctx.policy))
 
-
-InOpRule = Callable[["Any", "Env", "Context", op_calls.OpCall], Applied]
 
 # Special cases inside op calls, by primitive; every other primitive is ``op_entry``.
-IN_OP_RULES: dict[Any, InOpRule] = {
+IN_OP_RULES: dict[Any, Rule] = {
   p.convert_element_type_p: _convert_in_op,
   **dict.fromkeys(MATMULS, _matmul_in_op),
   **dict.fromkeys(NO_16_BIT_KERNELS, _no_16_bit_kernel_in_op),
@@ -438,14 +448,11 @@ IN_OP_RULES: dict[Any, InOpRule] = {
 # --- binding -------------------------------------------------------------------------------------
 
 
-def bind_native(eqn, env: Env, ctx: Context, invals: list) -> tuple[list, list]:
+def bind_native(eqn, env: Env, invals: list) -> tuple[list, list]:
   """Binds with inputs that were equal-typed when traced made equal again (widest wins).
 
   Returns the outputs and the values bound on.
   """
-  higher_order = ctx.rules.higher_order.get(eqn.primitive)
-  if higher_order is not None:
-    return higher_order(eqn, invals, env, ctx), invals
   invals, rounded_to = _equalize(eqn, invals, env)
   params = _result_type_params(eqn, invals) or dict(eqn.params)
   combiner = COMBINER_PARAM.get(eqn.primitive)
@@ -538,3 +545,56 @@ def _retype_combiner(jaxpr, consts, dtype) -> Any:
   closed = compat.ClosedJaxpr(jaxpr, list(consts))
   avals = [compat.aval_with_dtype(v.aval, dtype) for v in jaxpr.invars]
   return compat.trace(compat.jaxpr_as_fun(closed), avals).jaxpr
+
+
+# --- higher-order rules, the rule set, and the facts recorded after each eqn ----------------------
+
+# A body rule (``higher_order.py``): (eqn, its input values, Env, Context) -> its outputs, with
+# its bodies rewritten by the interpreter under ``ctx``.
+BodyRule = Callable[[Any, list, Env, Context], list]
+
+
+def rewriting(body_rule: BodyRule) -> Rule:
+  """The rule of a higher-order primitive: ``body_rule`` on the values entering it; inside an
+  op call, those are cast by the op's category and the bodies run natively, as the op's."""
+
+  def rule(eqn, env: Env, ctx: Context) -> Applied:
+    if env.call is None:
+      invals = [env.read(a) for a in eqn.invars]
+      return Applied(body_rule(eqn, invals, env, ctx), Ruling(Decider.HIGHER_ORDER), invals)
+    invals = entering_op(eqn, env, ctx)
+    outs = body_rule(eqn, invals, env, ctx._replace(op=env.call.region))
+    return Applied(outs, op_ruling(env.call), invals)
+
+  return rule
+
+
+def rule_set(body_rules: Mapping[Any, BodyRule]) -> RuleSet:
+  """The rules of this module with ``body_rules`` for the higher-order primitives."""
+  return RuleSet(
+    kept=kept,
+    higher_order={primitive: rewriting(rule) for primitive, rule in body_rules.items()},
+    keeps_dtypes=keeps_dtypes,
+    traced_dtypes=traced_dtypes,
+    outside=PRIMITIVE_RULES,
+    by_category=by_category,
+    inside=IN_OP_RULES,
+    op_entry=op_entry,
+  )
+
+
+def record_facts(eqn, env: Env, applied: Applied) -> None:
+  """What ``eqn``'s evaluation tells about its outputs, recorded once it is bound: where they
+  come from, that a low-precision matmul's output stays low under a bias add, and that a layout
+  change or a no-op convert of a weak scalar is weak."""
+  facts, ruling = env.facts, applied.ruling
+  if ruling.rule is Decider.CATEGORY and ruling.category is Category.LOWER:
+    if eqn.primitive in MATMULS:
+      facts.note_matmul(eqn)
+  if ruling.rule in (Decider.CATEGORY, Decider.WEAK_SCALAR):
+    facts.note_weak_flow(eqn)
+    if eqn.primitive is p.convert_element_type_p:
+      source = eqn.invars[0]
+      if facts.is_weak(source, env.read(source)):
+        facts.weak.update(eqn.outvars)
+  facts.note(eqn)

@@ -62,7 +62,7 @@ class Row(NamedTuple):
   ops: tuple[str, ...] = ()
 
 
-def op_rows(category: Category, *names: str) -> tuple[Row, ...]:
+def named_op_rows(category: Category, *names: str) -> tuple[Row, ...]:
   """One row per op region named like the torch op it realises (most composite rows)."""
   return tuple(Row((name,), category, ops=(name,)) for name in names)
 

@@ -21,9 +21,9 @@ that remat policies look for); its tangent in the cast operand is taken from the
 
 On XLA:CPU (a ``lax.platform_dependent`` branch) a bfloat16 weight gradient keeps its 16-bit
 result: XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot, and widens bfloat16
-all-reduces to float32 itself; and the dot's output transpose is kept from folding into it, which
-would cost a 2x slower kernel. ``disabled()`` turns all of this off: tests and benchmarks
-compare with the old behaviour.
+all-reduces to float32 itself. There, too, the dot's output passes through an optimization
+barrier before it is transposed (``unfolded_p``), which XLA:CPU would fold into a 2x slower
+dot. ``disabled()`` turns all of this off: tests and benchmarks compare with the old behaviour.
 """
 
 from __future__ import annotations
@@ -249,43 +249,75 @@ def _transpose_tangent(ct, other, tangent, *, matmul, params, position, low) -> 
 
   if matmul is not p.dot_general_p:
     return transposed(ct, other)
+
+  def unfolded(ct, other, result_dtype=FLOAT32):
+    closed, outputs = _unfolded_transpose(
+      matmul, params, position, result_dtype, _aval_key(ct), _aval_key(other), _aval_key(tangent)
+    )
+    return _evaluate(closed, (ct, other, None), outputs)
+
+  if any(_explicitly_sharded(x) for x in (ct, other, tangent)):
+    unfolded = transposed  # the cached transpose is typed without shardings: JAX's own
+  if low != jnp.bfloat16:
+    return unfolded(ct, other)
   # On XLA:CPU, a bfloat16 weight gradient keeps its 16-bit result: XLA:CPU cannot run every
   # bfloat16 x bfloat16 -> float32 dot (YNNPACK takes some, its fallback none), and widens
-  # bfloat16 all-reduces to float32 itself. Either dot keeps its output transpose unfolded.
-  result_dtype = FLOAT32 if low != jnp.bfloat16 else dict(params)["preferred_element_type"]
-
-  def on_cpu(ct, other):
-    return _unfolded_transposes(functools.partial(transposed, result_dtype=result_dtype), ct, other)
-
-  return lax.platform_dependent(ct, other, cpu=on_cpu, default=transposed)
+  # bfloat16 all-reduces to float32 itself.
+  cpu = functools.partial(unfolded, result_dtype=dict(params)["preferred_element_type"])
+  return lax.platform_dependent(ct, other, cpu=cpu, default=unfolded)
 
 
-def _unfolded_transposes(fun: Callable[..., Any], *args) -> Any:
-  """``fun(*args)`` with an optimization barrier between a matmul and a transpose of its output.
-
-  XLA:CPU folds such a transpose into the dot, whose operands then contract along their leading
-  dims: YNNPACK does not take that dot, and its fallback runs a weight gradient 2x slower."""
-  matmul_outputs = set()
-
-  def bind(eqn, ins):
-    if eqn.primitive is p.transpose_p and eqn.invars[0] in matmul_outputs:
-      ins = [lax.optimization_barrier(ins[0])]
-    if eqn.primitive in MATMULS:
-      matmul_outputs.update(eqn.outvars)
-    return eqn.primitive.bind(*ins, **eqn.params)
-
-  return _evaluate(jax.make_jaxpr(fun)(*args), args, bind)
+# The identity, lowered for XLA:CPU as an optimization barrier: XLA:CPU folds a transpose of a
+# dot's output into the dot, whose operands then contract along their leading dims, and YNNPACK
+# does not take that dot: its fallback runs a weight gradient 2x slower.
+unfolded_p = compat.platform_identity("jaxamp_unfolded", "cpu", lax.optimization_barrier)
 
 
-def _evaluate(closed, args: Sequence[Any], bind: Callable[[Any, list[Any]], Any]) -> Any:
+def _explicitly_sharded(value) -> bool:
+  """Whether ``value``'s type names a sharding (explicit mesh axes), which a dot's output type
+  must follow."""
+  aval = value.aval if hasattr(value, "aval") else compat.typeof(value)
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  return spec is not None and any(part is not None for part in spec)
+
+
+def _aval_key(value) -> tuple:
+  aval = value.aval if hasattr(value, "aval") else compat.typeof(value)
+  return tuple(aval.shape), jnp.dtype(aval.dtype)
+
+
+@caches.lru_cache("weight_grads.unfolded_transposes", maxsize=1024)
+def _unfolded_transpose(matmul, params, position, result_dtype, ct, other, tangent):
+  """The cotangent of the cast operand as a jaxpr of ``(ct, other, tangent)``, and the indices
+  of its matmuls whose outputs it transposes, to be passed through ``unfolded_p``."""
+  result_params = dict(params, preferred_element_type=result_dtype)
+
+  def transposed(ct, other, tangent):  # of ``tangent``, only the type is read
+    operands = _placed(other, tangent, position)
+    return compat.bilinear_transpose(matmul, ct, operands, position, result_params)
+
+  structs = (jax.ShapeDtypeStruct(*key) for key in (ct, other, tangent))
+  closed = jax.make_jaxpr(transposed)(*structs)
+  producers = {eqn.outvars[0]: index for index, eqn in enumerate(closed.jaxpr.eqns)}
+  transposed_outputs = {
+    producers[eqn.invars[0]]
+    for eqn in closed.jaxpr.eqns
+    if eqn.primitive is p.transpose_p and eqn.invars[0] in producers
+  }
+  matmuls = {i for i, eqn in enumerate(closed.jaxpr.eqns) if eqn.primitive in MATMULS}
+  return closed, frozenset(transposed_outputs & matmuls)
+
+
+def _evaluate(closed, args: Sequence[Any], unfolded: frozenset = frozenset(), bind=None) -> Any:
   """The single output of the one-output eqns of ``closed`` on ``args``, each eqn evaluated as
-  ``bind(eqn, its input values)``."""
+  ``bind(eqn, its input values)`` (its own ``bind`` by default); the outputs of the eqns at the
+  indices ``unfolded`` pass through ``unfolded_p``."""
   jaxpr = closed.jaxpr
   values = dict(zip((*jaxpr.constvars, *jaxpr.invars), (*closed.consts, *args), strict=True))
-  for eqn in jaxpr.eqns:
-    values[eqn.outvars[0]] = bind(
-      eqn, [a.val if compat.is_literal(a) else values[a] for a in eqn.invars]
-    )
+  for index, eqn in enumerate(jaxpr.eqns):
+    ins = [a.val if compat.is_literal(a) else values[a] for a in eqn.invars]
+    out = eqn.primitive.bind(*ins, **eqn.params) if bind is None else bind(eqn, ins)
+    values[eqn.outvars[0]] = unfolded_p.bind(out) if index in unfolded else out
   (out,) = jaxpr.outvars
   return out.val if compat.is_literal(out) else values[out]
 
@@ -315,7 +347,7 @@ def _batch_cast_tangent(args, dims, *, matmul, params, position, low) -> tuple[A
       ins[1 - at], ins[at], matmul=matmul, params=frozen, position=at, low=low
     )
 
-  return _evaluate(closed, (other, tangent), bind), 0
+  return _evaluate(closed, (other, tangent), bind=bind), 0
 
 
 cast_tangent_p = compat.bilinear_primitive(

@@ -8,7 +8,7 @@ op of the reference with its row, or why it has no JAX counterpart.
 import jax.numpy as jnp
 
 from jaxamp._src import compat
-from jaxamp._src.table import Category, Row, Table, Variant, op_rows
+from jaxamp._src.table import Category, Row, Table, Variant, named_op_rows
 from jaxamp._src.tables import shared
 
 p = compat.primitives
@@ -69,7 +69,7 @@ ROWS = (
   Row(("triangular_solve", "lu_solve"), F, primitives=(p.triangular_solve_p,)),
   Row(("_lu_with_info",), F, primitives=(p.lu_p,)),
   Row(("inverse", "linalg_inv", "linalg_inv_ex"), F, ops=("inverse",)),
-  *op_rows(F, "linalg_solve", "linalg_tensorinv", "linalg_tensorsolve"),
+  *named_op_rows(F, "linalg_solve", "linalg_tensorinv", "linalg_tensorsolve"),
   Row(("qr", "linalg_qr", "geqrf"), F, primitives=(p.qr_p, p.geqrf_p, p.geqp3_p)),
   Row(("orgqr", "linalg_householder_product"), F, primitives=(p.householder_product_p,)),
   Row(("ormqr",), F, primitives=(p.ormqr_p,)),
@@ -78,7 +78,7 @@ ROWS = (
     F,
     primitives=(p.svd_p,),
   ),
-  *op_rows(F, "pinverse", "linalg_lstsq"),
+  *named_op_rows(F, "pinverse", "linalg_lstsq"),
   Row(("linalg_eigh", "linalg_eigvalsh"), F, primitives=(p.eigh_p,)),
   Row(("linalg_eig", "linalg_eigvals"), F, primitives=(p.eig_p,)),
   Row(
@@ -111,11 +111,11 @@ ROWS = (
   Row(("cdist",), F, ops=("cdist",)),
   Row(("reflection_pad1d", "reflection_pad2d"), F, ops=("reflection_pad",)),
   Row(("replication_pad1d", "replication_pad2d", "replication_pad3d"), F, ops=("replication_pad",)),
-  *op_rows(F, "mse_loss", "l1_loss"),
+  *named_op_rows(F, "mse_loss", "l1_loss"),
   Row(("huber_loss",), F, ops=("huber_loss", "smooth_l1_loss")),
   Row(("cross_entropy_loss",), F, ops=("cross_entropy",)),
   Row(("nll_loss", "nll_loss2d"), F, ops=("nll_loss",)),
-  *op_rows(
+  *named_op_rows(
     F,
     "kl_div",
     "binary_cross_entropy",

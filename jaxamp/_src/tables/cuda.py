@@ -7,7 +7,7 @@ with its row, or why it has no JAX counterpart.
 import jax.numpy as jnp
 
 from jaxamp._src import compat
-from jaxamp._src.table import Category, Row, Table, Variant, op_rows
+from jaxamp._src.table import Category, Row, Table, Variant, named_op_rows
 from jaxamp._src.tables import shared
 
 p = compat.primitives
@@ -76,7 +76,7 @@ ROWS = (
   # --- float32: composites ---------------------------------------------------------------------
   # logsumexp is in torch's CUDA float32 source list (AT_FORALL_FP32), not the reference doc.
   Row(("logsumexp",), F, ops=("logsumexp",)),
-  *op_rows(
+  *named_op_rows(
     F,
     "softmax",
     "softmin",
@@ -102,7 +102,7 @@ ROWS = (
   # the reference doc.
   Row(("rms_norm",), F, ops=("rms_norm",)),
   Row(("smooth_l1_loss",), F, ops=("smooth_l1_loss", "huber_loss")),
-  *op_rows(
+  *named_op_rows(
     F,
     "poisson_nll_loss",
     "cosine_embedding_loss",

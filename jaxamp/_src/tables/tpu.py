@@ -27,7 +27,7 @@ Each row names the torch ops it realises; ``docs/coverage.md`` lists every op of
 import jax.numpy as jnp
 
 from jaxamp._src import compat
-from jaxamp._src.table import Category, Row, Table, Variant, op_rows
+from jaxamp._src.table import Category, Row, Table, Variant, named_op_rows
 from jaxamp._src.tables import shared
 
 p = compat.primitives
@@ -95,7 +95,7 @@ ROWS = (
   # torch's batch_norm of the reshaped input.
   Row(("batch_norm",), F, ops=("batch_norm",)),
   Row(("instance_norm",), F, ops=("instance_norm",)),
-  *op_rows(
+  *named_op_rows(
     F,
     "mse_loss",
     "l1_loss",

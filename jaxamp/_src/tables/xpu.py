@@ -8,7 +8,7 @@ names the torch ops it realises; ``docs/coverage.md`` lists every op of the refe
 import jax.numpy as jnp
 
 from jaxamp._src import compat
-from jaxamp._src.table import Category, Row, Table, Variant, op_rows
+from jaxamp._src.table import Category, Row, Table, Variant, named_op_rows
 from jaxamp._src.tables import shared
 
 p = compat.primitives
@@ -53,7 +53,7 @@ ROWS = (
   Row(("sum",), F, primitives=(p.reduce_sum_p,), ops=("sum",)),
   Row(("cumsum",), F, primitives=(p.cumsum_p,), ops=("cumsum",)),
   # --- float32: composites ---------------------------------------------------------------------
-  *op_rows(
+  *named_op_rows(
     F,
     "softmax",
     "softmin",

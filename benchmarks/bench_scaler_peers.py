@@ -1,0 +1,295 @@
+"""The loss scaler against its peers: compile time and step time, side by side.
+
+``jaxamp.dynamic_loss_scale(adam)`` against flax's ``DynamicScale`` (its ``value_and_grad`` and a
+``jnp.where`` select of the new state, as in flax's examples), ``optax.apply_if_finite(adam)``
+and bare ``optax.adam``, on (a) a float32 transformer LM train step (``models.lm_task``) and (b) a
+pure optimizer step (``update`` + ``apply_updates``) on transformer-like parameter trees of 50
+and 500 leaves. Compile time is trace + lower + XLA compile with cold caches, median of
+``compile_reps`` rounds; the programs alternate within each round, and so do the step timings.
+Targets: the scaler compiles in at most ``apply_if_finite``'s time and steps in <= 1.02x adam's.
+
+    python benchmarks/bench_scaler_peers.py [--quick] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from typing import Any
+
+import common
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import optax
+
+import jaxamp
+
+STEP_TARGET = 1.02
+PEERS = ("optax.adam", "jaxamp", "flax DynamicScale", "optax.apply_if_finite")
+FLAX_MAX_LEAVES = 100  # flax's per-leaf selects compile quadratically: 198 s at 500 leaves
+
+
+def layer_tree(leaves: int, d: int = 128, seed: int = 0) -> dict:
+  """``leaves`` float32 arrays shaped like a transformer's: blocks of 10 (norms, attention, MLP)."""
+  shapes = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+  rng = np.random.default_rng(seed)
+  return {
+    f"{i // len(shapes):03d}_{i % len(shapes)}": jnp.asarray(
+      rng.standard_normal(shapes[i % len(shapes)], np.float32) * 0.02
+    )
+    for i in range(leaves)
+  }
+
+
+def _adam() -> optax.GradientTransformation:
+  return optax.adam(1e-3)
+
+
+def _select(ok: jax.Array, new: Any, old: Any) -> Any:
+  return jax.tree.map(functools.partial(jnp.where, ok), new, old)
+
+
+def optimizer_steps(params: Any) -> dict[str, tuple]:
+  """``name: (step(params, opt_state, grads), opt_state, grads)``: update + apply_updates."""
+  grads = jax.tree.map(lambda p: p * 0.5 + 1e-3, params)
+  scaled = jax.tree.map(lambda g: g * 2.0**16, grads)
+  out = {}
+  for name, tx, g in (
+    ("optax.adam", _adam(), grads),
+    ("jaxamp", jaxamp.dynamic_loss_scale(_adam()), scaled),
+    ("optax.apply_if_finite", optax.apply_if_finite(_adam(), 5), grads),
+  ):
+
+    def step(params, opt_state, grads, tx=tx):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    out[name] = (step, tx.init(params), g)
+  from flax.training.dynamic_scale import DynamicScale
+
+  adam = _adam()
+
+  def flax_step(params, opt_state, grads):
+    ds, adam_state = opt_state
+    # DynamicScale computes the gradients itself: of sum(p * g), whose gradient is g.
+    loss = lambda p: sum(
+      jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(grads), strict=True)
+    )
+    ds, is_fin, _, g = ds.value_and_grad(loss)(params)
+    updates, new_state = adam.update(g, adam_state, params)
+    new_params = optax.apply_updates(params, updates)
+    return _select(is_fin, new_params, params), (ds, _select(is_fin, new_state, adam_state))
+
+  out["flax DynamicScale"] = (flax_step, (DynamicScale(), adam.init(params)), grads)
+  return out
+
+
+def lm_steps(lm: dict) -> tuple[dict[str, tuple], Any]:
+  """The same for a float32 transformer LM: ``value_and_grad(loss)`` + update."""
+  task = models.lm_task(None, **lm)
+  loss_fn = lambda p, batch: task.loss(p, task.state, batch)[0]
+  out = {}
+  for name, tx in (
+    ("optax.adam", _adam()),
+    ("jaxamp", jaxamp.dynamic_loss_scale(_adam())),
+    ("optax.apply_if_finite", optax.apply_if_finite(_adam(), 5)),
+  ):
+    scaled = name == "jaxamp"
+
+    def step(params, opt_state, batch, tx=tx, scaled=scaled):
+      if scaled:
+        grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, batch), opt_state))(params)
+      else:
+        grads = jax.grad(loss_fn)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    out[name] = (step, tx.init(task.params), task.batch)
+  from flax.training.dynamic_scale import DynamicScale
+
+  adam = _adam()
+
+  def flax_step(params, opt_state, batch):
+    ds, adam_state = opt_state
+    ds, is_fin, _, grads = ds.value_and_grad(loss_fn)(params, batch)
+    updates, new_state = adam.update(grads, adam_state, params)
+    new_params = optax.apply_updates(params, updates)
+    return _select(is_fin, new_params, params), (ds, _select(is_fin, new_state, adam_state))
+
+  out["flax DynamicScale"] = (flax_step, (DynamicScale(), adam.init(task.params)), task.batch)
+  return out, task.params
+
+
+def measure(
+  steps: dict[str, tuple], params: Any, *, compile_reps: int, rounds: int, per_round: int
+) -> dict:
+  """Compile (cold caches) and step time of every program, the programs interleaved."""
+  times: dict[str, list[float]] = {name: [] for name in steps}
+  compiled = {}
+  for r in range(compile_reps):
+    order = list(steps) if r % 2 == 0 else list(reversed(steps))
+    for name in order:
+      step, state, extra = steps[name]
+      common.clear_all_caches()
+      start = time.perf_counter()
+      compiled[name] = jax.jit(step).trace(params, state, extra).lower().compile()
+      times[name].append(time.perf_counter() - start)
+  funs = {
+    name: functools.partial(compiled[name], params, state, extra)
+    for name, (_, state, extra) in steps.items()
+  }
+  step_s = common.interleaved_median(funs, rounds=rounds, per_round=per_round)
+  return {
+    name: {
+      "compile": statistics.median(times[name]),
+      "step": step_s[name],
+      "hlo_ops": sum(1 for _ in common.parse_hlo(compiled[name].as_text())),
+    }
+    for name in steps
+  }
+
+
+def run(
+  *,
+  lm: dict | None = None,
+  leaves=(50, 500),
+  d: int = 128,
+  compile_reps: int = 3,
+  rounds: int = 7,
+  per_round: int = 3,
+  flax_max_leaves: int = FLAX_MAX_LEAVES,
+  log=print,
+) -> dict[str, Any]:
+  cases = {}
+  opts = dict(compile_reps=compile_reps, rounds=rounds, per_round=per_round)
+  if lm is not None:
+    steps, params = lm_steps(lm)
+    n = len(jax.tree.leaves(params))
+    log(f"  peers: LM train step, {n} leaves")
+    cases[f"LM train step ({n} leaves)"] = measure(steps, params, **opts)
+  for n in leaves:
+    params = layer_tree(n, d)
+    steps = optimizer_steps(params)
+    if n > flax_max_leaves:
+      del steps["flax DynamicScale"]
+    size = sum(x.size for x in jax.tree.leaves(params)) / 1e6
+    log(f"  peers: optimizer step, {n} leaves, {size:.2f}M parameters")
+    cases[f"optimizer step ({n} leaves, {size:.2f}M)"] = measure(steps, params, **opts)
+  return {"cases": cases, "flax_max_leaves": flax_max_leaves}
+
+
+def _status(ok: bool) -> str:
+  return "ok" if ok else "MISSED"
+
+
+def report(res: dict, markdown: bool = False) -> str:
+  rows, targets = [], []
+  for case, results in res["cases"].items():
+    adam, aif = results["optax.adam"], results["optax.apply_if_finite"]
+    for name in PEERS:
+      if name not in results:
+        rows.append([case, name, "skipped", "", "", "", "", ""])
+        continue
+      r = results[name]
+      rows.append(
+        [
+          case,
+          name,
+          common.ms(r["compile"]),
+          common.ratio(r["compile"], adam["compile"]),
+          common.ratio(r["compile"], aif["compile"]),
+          common.ms(r["step"]),
+          common.ratio(r["step"], adam["step"]),
+          r["hlo_ops"],
+        ]
+      )
+    ours = results["jaxamp"]
+    c, s = ours["compile"] / aif["compile"], ours["step"] / adam["step"]
+    targets.append([case, "compile vs apply_if_finite", f"{c:.2f}x", "<= 1.00x", _status(c <= 1)])
+    targets.append(
+      [case, "step vs adam", f"{s:.2f}x", f"<= {STEP_TARGET:.2f}x", _status(s <= STEP_TARGET)]
+    )
+  head = ("### " if markdown else "== ") + "loss scaler vs peers" + ("" if markdown else " ==")
+  note = (
+    f"trace + lower + compile (cold caches) and step, median ms; flax DynamicScale skipped above "
+    f"{res['flax_max_leaves']} leaves (its per-leaf selects compile quadratically)"
+  )
+  return "\n".join(
+    [
+      head,
+      "",
+      note,
+      common.table(
+        [
+          "case",
+          "scaler",
+          "compile ms",
+          "vs adam",
+          "vs apply_if_finite",
+          "step ms",
+          "vs adam",
+          "HLO ops",
+        ],
+        rows,
+        markdown,
+      ),
+      "",
+      common.table(["case", "jaxamp", "ratio", "target", "status"], targets, markdown),
+    ]
+  )
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--markdown", action="store_true")
+  p.add_argument("--leaves", default="50,500")
+  p.add_argument("--no-lm", action="store_true")
+  args = p.parse_args(argv)
+  q = args.quick
+  lm = None if args.no_lm else models.lm_sizes(q)
+  res = run(
+    lm=lm,
+    leaves=tuple(int(n) for n in args.leaves.split(",") if n),
+    d=64 if q else 128,
+    compile_reps=1 if q else 3,
+    rounds=3 if q else 7,
+    log=lambda m: print(m, file=sys.stderr, flush=True),
+  )
+  print(report(res, args.markdown))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
+
+
+def summary_rows(res: dict) -> list[list[Any]]:
+  """Rows for ``run.py``'s targets table: jaxamp against apply_if_finite (compile), adam (step)."""
+  rows = []
+  for case, results in res["cases"].items():
+    ours, aif, adam = results["jaxamp"], results["optax.apply_if_finite"], results["optax.adam"]
+    for metric, base, target in (
+      ("compile ms (apply_if_finite vs scaler)", aif["compile"], 1.0),
+      ("step ms (adam vs scaler)", adam["step"], STEP_TARGET),
+    ):
+      key = "compile" if metric.startswith("compile") else "step"
+      r = ours[key] / base
+      rows.append(
+        [
+          "optimizer",
+          "-",
+          f"{case}: {metric}",
+          f"{base * 1e3:.4g}",
+          f"{ours[key] * 1e3:.4g}",
+          f"{r:.2f}x",
+          f"<= {target:.2f}x",
+          common.target_mark(r, target),
+        ]
+      )
+  return rows
