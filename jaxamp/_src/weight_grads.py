@@ -243,9 +243,7 @@ def _transpose_tangent(ct, other, tangent, *, matmul, params, position, low) -> 
   with a float32 result (JAX's transpose of the matmul with ``preferred_element_type``)."""
 
   def transposed(ct, other, result_dtype=FLOAT32):
-    operands = _placed(other, tangent, position)
-    result_params = dict(params, preferred_element_type=result_dtype)
-    return compat.bilinear_transpose(matmul, ct, operands, position, result_params)
+    return _transposed(matmul, params, position, result_dtype, ct, other, tangent)
 
   if matmul is not p.dot_general_p:
     return transposed(ct, other)
@@ -273,16 +271,29 @@ def _transpose_tangent(ct, other, tangent, *, matmul, params, position, low) -> 
 unfolded_p = compat.platform_identity("jaxamp_unfolded", "cpu", lax.optimization_barrier)
 
 
+def _transposed(matmul, params, position, result_dtype, ct, other, tangent) -> Any:
+  """JAX's transpose of the matmul in its cast operand at ``ct``, with a ``result_dtype``
+  result; of ``tangent`` only the type is read."""
+  result_params = dict(params, preferred_element_type=result_dtype)
+  return compat.bilinear_transpose(
+    matmul, ct, _placed(other, tangent, position), position, result_params
+  )
+
+
+def _aval(value) -> Any:
+  """The type of a value, tracer or undefined primal (which carries only ``.aval``)."""
+  return value.aval if hasattr(value, "aval") else compat.typeof(value)
+
+
 def _explicitly_sharded(value) -> bool:
   """Whether ``value``'s type names a sharding (explicit mesh axes), which a dot's output type
   must follow."""
-  aval = value.aval if hasattr(value, "aval") else compat.typeof(value)
-  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  spec = getattr(getattr(_aval(value), "sharding", None), "spec", None)
   return spec is not None and any(part is not None for part in spec)
 
 
 def _aval_key(value) -> tuple:
-  aval = value.aval if hasattr(value, "aval") else compat.typeof(value)
+  aval = _aval(value)
   return tuple(aval.shape), jnp.dtype(aval.dtype)
 
 
@@ -290,12 +301,7 @@ def _aval_key(value) -> tuple:
 def _unfolded_transpose(matmul, params, position, result_dtype, ct, other, tangent):
   """The cotangent of the cast operand as a jaxpr of ``(ct, other, tangent)``, and the indices
   of its matmuls whose outputs it transposes, to be passed through ``unfolded_p``."""
-  result_params = dict(params, preferred_element_type=result_dtype)
-
-  def transposed(ct, other, tangent):  # of ``tangent``, only the type is read
-    operands = _placed(other, tangent, position)
-    return compat.bilinear_transpose(matmul, ct, operands, position, result_params)
-
+  transposed = functools.partial(_transposed, matmul, params, position, result_dtype)
   structs = (jax.ShapeDtypeStruct(*key) for key in (ct, other, tangent))
   closed = jax.make_jaxpr(transposed)(*structs)
   producers = {eqn.outvars[0]: index for index, eqn in enumerate(closed.jaxpr.eqns)}
