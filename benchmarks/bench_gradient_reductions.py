@@ -1,9 +1,9 @@
-"""A data-parallel train step with float32 gradient reductions (``jaxamp._src.weight_grads``,
-issue #22.7) against the old 16-bit ones, side by side.
+"""A data-parallel train step with float32 gradient reductions
+(``jaxamp._src.autocast.weight_grads``) against the old 16-bit ones, side by side.
 
-    python benchmarks/bench_gradient_reductions.py             # ~2-3 min on a 2-core CPU
-    python benchmarks/bench_gradient_reductions.py --quick     # smaller models, fewer repetitions
-    python benchmarks/bench_gradient_reductions.py --models mlp,lm --policies cuda --devices 8
+    python -m benchmarks.bench_gradient_reductions             # ~2-3 min on a 2-core CPU
+    python -m benchmarks.bench_gradient_reductions --quick     # smaller models, fewer repetitions
+    python -m benchmarks.bench_gradient_reductions --models mlp,lm --policies cuda --devices 8
 
 The step is ``jax.jit`` of ``value_and_grad`` + SGD, the batch sharded over a "data" mesh axis of
 ``--devices`` virtual CPU devices (set before JAX starts), params replicated. For each model
@@ -54,7 +54,6 @@ def main(argv=None) -> int:
   ):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import jax
 
   compile_reps = args.compile_reps or (1 if args.quick else 3)
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
   names = [m.strip() for m in args.models.split(",") if m.strip()]
   print(
     f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
-    f"{os.cpu_count()} CPUs; command: python benchmarks/bench_gradient_reductions.py "
+    f"{os.cpu_count()} CPUs; command: python -m benchmarks.bench_gradient_reductions "
     + " ".join(sys.argv[1:] if argv is None else argv)
   )
   header = (
@@ -119,7 +118,7 @@ def mlp(quick: bool):
 
 
 def lm(quick: bool):
-  import models
+  from benchmarks import models
 
   size = dict(layers=1, d_model=64, heads=2, seq=32, batch=16, vocab=256) if quick else {}
   task = models.lm_task(None, **{**dict(batch=16), **size})
@@ -127,7 +126,7 @@ def lm(quick: bool):
 
 
 def conv(quick: bool):
-  import models
+  from benchmarks import models
 
   task = models.conv_task(None, batch=16, features=(8, 16, 16, 32) if quick else (32, 64, 64, 128))
   return task.params, task.state, task.batch, task.loss
@@ -152,14 +151,14 @@ def reduced_dtypes(hlo: str) -> list[str]:
 
 def compare(model, policy: str, compile_reps: int, rounds: int, per_round: int) -> dict:
   """Compile time, step time and reduction dtypes of the step, old and new, interleaved."""
-  import common
   import jax
   import optax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import jaxamp
-  from jaxamp._src import weight_grads
+  from benchmarks import common
+  from jaxamp._src.autocast import weight_grads
 
   params, state, batch, loss = model
   auto = (jax.sharding.AxisType.Auto,)  # XLA places the collectives, as in a plain jit

@@ -19,13 +19,12 @@ import statistics
 import time
 from typing import Any
 
-import common
 import jax
 import jax.numpy as jnp
-import models
 import optax
 
 import jaxamp
+from benchmarks import common, models
 
 POLICIES = {"cpu": jnp.bfloat16, "cuda": jnp.float16}
 TARGETS = {"compile": 1.10, "residual": 1.00, "step": 1.05}

@@ -1,8 +1,8 @@
 """``jaxamp.nonfinite_report`` against the plain finite check, on ~10M parameters of gradients.
 
-    python benchmarks/bench_nonfinite.py             # 10.4M float32 gradients, 9 rounds
-    python benchmarks/bench_nonfinite.py --quick     # 2.6M, 5 rounds (seconds)
-    python benchmarks/bench_nonfinite.py --dtype float16 --markdown
+    python -m benchmarks.bench_nonfinite             # 10.4M float32 gradients, 9 rounds
+    python -m benchmarks.bench_nonfinite --quick     # 2.6M, 5 rounds (seconds)
+    python -m benchmarks.bench_nonfinite --dtype float16 --markdown
 
 The gradient tree is the scaler benchmark's (``bench_scaler.param_tree``: 4 big leaves and 256
 weight/bias pairs). Both programs are jitted and run round-robin (``common.interleaved_median``):
@@ -15,18 +15,14 @@ leaves. No target: the report is a debugging aid, off by default in the train st
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_scaler  # noqa: E402
-import common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxamp  # noqa: E402
+from benchmarks import bench_scaler, common
 
 
 def finite_check(grads: Any) -> jax.Array:

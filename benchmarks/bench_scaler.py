@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import common
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jaxamp
+from benchmarks import common
 
 TARGET = 1.05
 

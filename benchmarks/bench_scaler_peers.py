@@ -8,7 +8,7 @@ and 500 leaves. Compile time is trace + lower + XLA compile with cold caches, me
 ``compile_reps`` rounds; the programs alternate within each round, and so do the step timings.
 Targets: the scaler compiles in at most ``apply_if_finite``'s time and steps in <= 1.02x adam's.
 
-    python benchmarks/bench_scaler_peers.py [--quick] [--markdown]
+    python -m benchmarks.bench_scaler_peers [--quick] [--markdown]
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import sys
 import time
 from typing import Any
 
-import common
 import jax
 import jax.numpy as jnp
-import models
 import numpy as np
 import optax
 
 import jaxamp
+from benchmarks import common, models
 
 STEP_TARGET = 1.02
 PEERS = ("optax.adam", "jaxamp", "flax DynamicScale", "optax.apply_if_finite")

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 import optax
-from models import Task
+
+from benchmarks.models import Task
 
 
 def jmp_policies(dtype) -> dict:

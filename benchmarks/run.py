@@ -1,10 +1,10 @@
 """jaxamp benchmarks: autocast vs hand-written Flax / jmp mixed precision, and the loss scaler.
 
-    python benchmarks/run.py                 # everything, < 5 minutes on a 2-core CPU
-    python benchmarks/run.py --quick         # smaller models, fewer repetitions, < 1 minute
-    python benchmarks/run.py --only lm       # one section: lm, conv, haiku, scaler, gpu, depth
-    python benchmarks/run.py --only depth    # the depth sweep alone (not in the default run)
-    python benchmarks/run.py --markdown      # tables as markdown (docs/benchmarks.md)
+    python -m benchmarks.run                 # everything, < 5 minutes on a 2-core CPU
+    python -m benchmarks.run --quick         # smaller models, fewer repetitions, < 1 minute
+    python -m benchmarks.run --only lm       # one section: lm, conv, haiku, scaler, gpu, depth
+    python -m benchmarks.run --only depth    # the depth sweep alone (not in the default run)
+    python -m benchmarks.run --markdown      # tables as markdown (docs/benchmarks.md)
 
 Sections (all measured side by side in one process, printed as ratios):
   lm, conv   1. trace/lower/compile time  2. residual bytes  3. step time  4. convert counts
@@ -27,15 +27,9 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_models  # noqa: E402
-import bench_scaler  # noqa: E402
-import bench_scaler_peers  # noqa: E402
-import common  # noqa: E402
 import jax  # noqa: E402
-import models  # noqa: E402
-import trace_depth  # noqa: E402
+
+from benchmarks import bench_models, bench_scaler, bench_scaler_peers, common, models, trace_depth
 
 SECTIONS = ("lm", "conv", "haiku", "scaler", "gpu", "depth")
 DEFAULT_SECTIONS = ("lm", "conv", "haiku", "scaler", "gpu")  # depth takes longer than the rest
@@ -181,7 +175,7 @@ def main(argv=None) -> int:
   print(
     f"\njax {jax.__version__}, backend {jax.default_backend()}, "
     f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, python "
-    f"{platform.python_version()}; command: python benchmarks/run.py "
+    f"{platform.python_version()}; command: python -m benchmarks.run "
     + " ".join(argv if argv is not None else sys.argv[1:])
   )
   summary = []
@@ -227,7 +221,7 @@ def main(argv=None) -> int:
       f"batch {conv['batch']}",
     )
   if "haiku" in only:
-    import haiku_models  # Haiku and jmp are needed by this section only
+    from benchmarks import haiku_models  # Haiku and jmp are needed by this section only
 
     hk_cfg = cfg["haiku"]
     log(f"haiku: {hk_cfg}")

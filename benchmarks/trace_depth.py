@@ -1,9 +1,9 @@
 """Trace / lower / XLA compile time of the transformer LM against its depth.
 
-    python benchmarks/trace_depth.py                        # depths 2,8,32,64: ~4-5 min
-    python benchmarks/trace_depth.py --depths 2,8 --reps 1  # a smoke test: ~40 s
-    python benchmarks/trace_depth.py --no-compile           # trace and lower only: ~2 min
-    python benchmarks/trace_depth.py --markdown             # the table in docs/benchmarks.md
+    python -m benchmarks.trace_depth                        # depths 2,8,32,64: ~4-5 min
+    python -m benchmarks.trace_depth --depths 2,8 --reps 1  # a smoke test: ~40 s
+    python -m benchmarks.trace_depth --no-compile           # trace and lower only: ~2 min
+    python -m benchmarks.trace_depth --markdown             # the table in docs/benchmarks.md
 
 For each depth (unrolled layers: a Python loop of blocks, not ``nn.scan``) and each policy, the
 hand-written Flax model (``dtype=jnp.bfloat16`` / ``jnp.float16`` on every layer) is compared
@@ -36,14 +36,11 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import models  # noqa: E402
 
 import jaxamp  # noqa: E402
+from benchmarks import common, models
 
 POLICIES = {"cpu": jnp.bfloat16, "cuda": jnp.float16}
 TARGET = 1.20  # autocast trace + lower / hand-written trace + lower
@@ -283,7 +280,7 @@ def main(argv=None) -> int:
   print(
     f"jax {jax.__version__}, backend {jax.default_backend()}, "
     f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, python "
-    f"{platform.python_version()}; model {model}; command: python benchmarks/trace_depth.py "
+    f"{platform.python_version()}; model {model}; command: python -m benchmarks.trace_depth "
     + " ".join(argv if argv is not None else sys.argv[1:])
   )
   results = run(

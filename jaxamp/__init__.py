@@ -6,18 +6,18 @@ the rest of GradScaler's methods as functions of the optimizer state.
 """
 
 from jaxamp import functional, scaler
-from jaxamp._src.accumulation import multi_steps
-from jaxamp._src.autocast import autocast, custom_bwd, custom_fwd
+from jaxamp._src.autocast.regions import autocast_disabled, register_op
+from jaxamp._src.autocast.transform import autocast, custom_bwd, custom_fwd
 from jaxamp._src.caches import clear_caches
-from jaxamp._src.explain import Decision, Explanation, explain
-from jaxamp._src.grad_scaler import scale_loss, unscale
-from jaxamp._src.loss_scale import DynamicLossScaleState, dynamic_loss_scale
-from jaxamp._src.nonfinite import LeafStats, NonfiniteReport, nonfinite_report
-from jaxamp._src.policy import get_autocast_dtype, is_autocast_available
-from jaxamp._src.precision import PrecisionEntry, PrecisionReport, precision_report
-from jaxamp._src.regions import autocast_disabled, register_op
-from jaxamp._src.table import Category
-from jaxamp._src.train import make_nnx_train_step, make_train_step
+from jaxamp._src.integrations.accumulation import multi_steps
+from jaxamp._src.integrations.train import make_nnx_train_step, make_train_step
+from jaxamp._src.policies.policy import get_autocast_dtype, is_autocast_available
+from jaxamp._src.policies.table import Category
+from jaxamp._src.reports.explain import Decision, Explanation, explain
+from jaxamp._src.reports.nonfinite import LeafStats, NonfiniteReport, nonfinite_report
+from jaxamp._src.reports.precision import PrecisionEntry, PrecisionReport, precision_report
+from jaxamp._src.scaler.grad_scaler import scale_loss, unscale
+from jaxamp._src.scaler.loss_scale import DynamicLossScaleState, dynamic_loss_scale
 
 __version__ = "0.1.0"
 

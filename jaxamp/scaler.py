@@ -25,7 +25,7 @@ torch                                  jaxamp
 ``jaxamp.unscale`` and the transform's ``update``.
 """
 
-from jaxamp._src.grad_scaler import (
+from jaxamp._src.scaler.grad_scaler import (
   EmptyStateDictError,
   get_backoff_factor,
   get_growth_factor,

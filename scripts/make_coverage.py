@@ -15,7 +15,7 @@ import pathlib
 import re
 import sys
 
-from jaxamp._src import coverage
+from jaxamp._src.reports import coverage
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "tests" / "data" / "torch_autocast_op_reference.json"

@@ -22,7 +22,7 @@ writes two files under ``tests/goldens/``:
 
 Every float array is stored as bit patterns (hex, of the dtype's width): exact, and JSON has no
 Inf/NaN. ``run_script``, ``run_unscale_case`` and ``run_clip_recipe`` are also imported by
-``tests/test_loss_scale_surface.py`` for the live comparison.
+``tests/scaler/test_loss_scale_surface.py`` for the live comparison.
 """
 
 from __future__ import annotations

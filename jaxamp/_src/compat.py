@@ -4,7 +4,7 @@ jaxamp reads jaxprs (public in ``jax.extend.core``) and re-binds primitives. A f
 public API: tracing a Python function to a jaxpr over given avals, re-binding an eqn with its
 source information, reading an eqn's name stack and traceback, and the parameters of the
 custom-derivative primitives. They live here, each behind a small function, so that a JAX
-upgrade breaks one module, loudly (``tests/test_compat.py`` checks each of them).
+upgrade breaks one module, loudly (``tests/project/test_compat.py`` checks each of them).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 jaxpr_as_fun = jex_core.jaxpr_as_fun
 
-# The internals jaxamp needs, checked by tests/test_compat.py.
+# The internals jaxamp needs, checked by tests/project/test_compat.py.
 REQUIRED_INTERNALS = {
   "jax._src.api_util.debug_info": lambda: _api_util.debug_info,
   "jax._src.core.typeof": lambda: _core.typeof,

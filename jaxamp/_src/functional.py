@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._src import regions
+from jaxamp._src.autocast import regions
 
 Array = jax.Array
 _REDUCTIONS = ("none", "mean", "sum")

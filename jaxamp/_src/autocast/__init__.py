@@ -1,0 +1,1 @@
+"""autocast: the jaxpr interpreter, its rules and the regions and dataflow facts they read."""

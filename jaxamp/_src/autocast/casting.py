@@ -1,0 +1,132 @@
+"""The dtype conversions autocast inserts: which dtypes it casts, how constants keep finite
+values finite in a 16-bit dtype, and the cast cache that converts a value at most once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._src import compat
+from jaxamp._src.policies.table import ELIGIBLE_DTYPES, LOW_DTYPES
+
+
+def is_eligible(dtype) -> bool:
+  """Whether autocast may change a value of ``dtype``: float32, float16 or bfloat16."""
+  return dtype in ELIGIBLE_DTYPES
+
+
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+  """The dtype JAX promotes ``dtypes`` to."""
+  result = dtypes[0]
+  for dtype in dtypes[1:]:
+    result = jnp.promote_types(result, dtype)
+  return jnp.dtype(result)
+
+
+def saturating_constant(value, dtype: np.dtype) -> np.ndarray:
+  """A constant in ``dtype``, finite values clipped to its range (infinities and NaN kept).
+
+  torch takes ``finfo(x.dtype).min`` of the run-time dtype for masks; a ``finfo(float32).min``
+  taken at trace time and moved into float16 must not become ``-inf``.
+  """
+  value = np.asarray(value)
+  if jnp.dtype(dtype) in LOW_DTYPES and jnp.issubdtype(value.dtype, jnp.floating):
+    info = jnp.finfo(dtype)
+    value = np.where(np.isfinite(value), np.clip(value, float(info.min), float(info.max)), value)
+  return np.asarray(value, dtype)
+
+
+def fits(value, dtype: np.dtype) -> bool:
+  """Whether a constant keeps its magnitude in ``dtype``: a finite value stays finite and a
+  nonzero one nonzero (infinities and NaN are what they are in any dtype)."""
+  value = np.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    return True
+  with np.errstate(over="ignore", under="ignore"):
+    rounded = np.asarray(value, jnp.dtype(dtype))
+  lost = np.isfinite(value) & (~np.isfinite(rounded) | ((rounded == 0) & (value != 0)))
+  return not lost.any()
+
+
+def saturating_convert(value, dtype: np.dtype) -> Any:
+  """``value`` converted to ``dtype``, finite values clipped to its range as constants are;
+  staged (``compat.staged``) while linearizing, as ``convert`` is."""
+  source = jnp.dtype(compat.typeof(value).dtype)
+  if jnp.dtype(dtype) not in LOW_DTYPES or jnp.finfo(source).max <= jnp.finfo(dtype).max:
+    return convert(value, dtype)
+  if not isinstance(value, jax.core.Tracer):  # known now: clipped here, nothing traced
+    return saturating_constant(value, dtype)
+  if compat.linearizing([value]):
+    dtype = jnp.dtype(dtype)
+    return compat.staged(("saturate", source, dtype), lambda: _saturator(source, dtype))(value)
+  return _saturator(source, dtype)(value)
+
+
+def _saturator(source: np.dtype, dtype: np.dtype):
+  info = jnp.finfo(dtype)
+  low, high = np.asarray(info.min, source), np.asarray(info.max, source)
+
+  def saturating_convert_element_type(value):
+    clipped = lax.clamp(low, value, high)
+    return lax.convert_element_type(jnp.where(jnp.isinf(value), value, clipped), dtype)
+
+  return saturating_convert_element_type
+
+
+def convert(value, dtype: np.dtype) -> Any:
+  """``lax.convert_element_type``; staged (``compat.staged``) while linearizing."""
+  if compat.linearizing([value]):
+    dtype = jnp.dtype(dtype)
+    return compat.staged(("convert", dtype), lambda: _converter(dtype))(value)
+  return lax.convert_element_type(value, dtype)
+
+
+def as_dtype(value, dtype: np.dtype | None) -> Any:
+  """``value`` in ``dtype`` (None: as it is), converted only if it is not in it already."""
+  if dtype is None or compat.typeof(value).dtype == dtype:
+    return value
+  return convert(value, dtype)
+
+
+def _converter(dtype: np.dtype):
+  def convert_element_type(value):
+    return lax.convert_element_type(value, dtype)
+
+  return convert_element_type
+
+
+class CastCache:
+  """The casts made while evaluating one jaxpr, so a value is converted at most once per dtype.
+
+  Attributes:
+    made: (variable, dtype) -> the converted value (a loop's hoisted casts are given in).
+    converts: converts emitted so far (``explain`` counts them per eqn).
+    hoistable: loop-invariant invars whose casts may move out of the loop body.
+    hoisted: the casts asked of hoistable invars, in order.
+  """
+
+  def __init__(self, hoistable: frozenset = frozenset(), precast: dict | None = None):
+    self.made: dict[tuple[Any, np.dtype], Any] = dict(precast or {})
+    self.converts = 0
+    self.hoistable = hoistable
+    self.hoisted: list[tuple[Any, np.dtype]] = []
+
+  def convert(self, value, dtype: np.dtype, saturate: bool = False) -> Any:
+    """``value`` in ``dtype``; a constant (``saturate``) keeps finite values finite."""
+    self.converts += 1
+    if saturate:
+      return saturating_convert(value, dtype)
+    return convert(value, dtype)
+
+  def ask(self, key: tuple[Any, np.dtype]) -> Any | None:
+    """The cached cast for ``key``, noting a hoistable invar's cast as wanted outside."""
+    if key in self.made:
+      return self.made[key]
+    if key[0] in self.hoistable and key not in self.hoisted:
+      self.hoisted.append(key)
+    return None

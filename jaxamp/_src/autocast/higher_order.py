@@ -1,0 +1,568 @@
+"""Autocast rules for higher-order primitives: each rewrites its bodies and re-binds itself.
+
+Bodies are rewritten by tracing the interpreter over them (``rewrite``), cached on the body, its
+input types and the context, so a layer jitted once and called many times is rewritten once.
+Loop carries and branch outputs keep the types they were declared with; casts of loop
+invariants (scan and while consts, i.e. the weights) are hoisted out of the loop body.
+Custom derivative rules are kept: the primal body and the rule are both autocast, and the
+cotangents a custom_vjp's backward returns come back in its inputs' dtypes. The rules see what
+JAX shows them: a custom_vjp's ``fwd`` which inputs are perturbed, ``symbolic_zeros`` rules their
+symbolic zeros. A custom_vjp whose ``fwd`` rule or primal is a ``custom_fwd(cast_inputs=...)``
+function is that one region as a whole.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxamp._src import caches, compat
+from jaxamp._src.autocast import casting, context, regions, rules
+from jaxamp._src.autocast.context import Context, Env
+from jaxamp._src.autocast.interpreter import evaluate
+
+prims = compat.primitives
+
+_CACHE_SIZE = 1024
+# Rewritten bodies, held while their source jaxpr lives (it is in the key weakly).
+_rewrites = caches.weak_lru_cache("higher_order.rewrites", _CACHE_SIZE)
+
+
+def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
+  """The avals of a body's invars with the dtypes of the values now flowing into them.
+
+  Values that follow their partner's dtype outside (Python scalars, fills like ``zeros_like``:
+  ``weak``) stay weak inside, so ``jnp.where(m, x, jnp.zeros_like(x))``'s jit does not promote.
+  """
+  avals = []
+  weak = tuple(weak) or (False,) * len(invars)
+  for var, value, follows in zip(invars, values, weak, strict=True):
+    aval = compat.typeof(value)
+    if aval.dtype != var.aval.dtype:
+      avals.append(compat.aval_with_dtype(var.aval, aval.dtype))
+    elif (
+      (follows or getattr(aval, "weak_type", False))
+      and not var.aval.weak_type
+      and jnp.issubdtype(aval.dtype, jnp.inexact)
+    ):
+      avals.append(var.aval.update(weak_type=True))
+    else:
+      avals.append(var.aval)
+  return tuple(avals)
+
+
+def weak_inputs(eqn, env: Env) -> list[bool]:
+  """Which inputs are fills or converted Python scalars (``Provenance.weak``) outside."""
+  return [not compat.is_literal(a) and a in env.facts.weak for a in eqn.invars]
+
+
+def known_constants(atoms, ctx: Context) -> tuple:
+  """The Python scalars among ``atoms`` that do not fit the policy's 16-bit dtype (None for
+  every other atom): inside the body they make arithmetic compute in float32, as outside
+  (``rules.SCALAR_OPMATH``). Scalars that fit change nothing and stay out of the cache key."""
+  constants = []
+  for atom in atoms:
+    fits = not compat.is_literal(atom) or atom.aval.shape
+    fits = fits or casting.fits(atom.val, ctx.policy.dtype)
+    constants.append(None if fits else float(atom.val))
+  return tuple(constants) if any(c is not None for c in constants) else ()
+
+
+def computed_inputs(env: Env, atoms) -> tuple[bool, ...]:
+  """Which of ``atoms`` are activations computed outside the body (``is_computed``)."""
+  return tuple(env.facts.is_computed(a) for a in atoms)
+
+
+def rewrite(
+  jaxpr,
+  consts: Sequence[Any],
+  in_avals: tuple,
+  ctx: Context,
+  out_dtypes: tuple | None = None,
+  hoist: int = 0,
+  path: str = "",
+  computed: tuple[bool, ...] = (),
+  constants: tuple = (),
+) -> tuple[compat.ClosedJaxpr, tuple]:
+  """``jaxpr`` rewritten for ``in_avals`` under ``ctx``, and the casts hoisted out of it.
+
+  Args:
+    jaxpr: an open jaxpr; ``consts`` are the values of its constvars.
+    in_avals: the types of its invars now.
+    out_dtypes: dtypes its outputs must keep (None entries are free).
+    hoist: the leading ``hoist`` invars are loop invariants: casts of them are returned as
+      ``((invar index, dtype), ...)`` and taken as extra leading inputs of the result (placed
+      after the ``hoist`` invariants), to be computed once outside the loop.
+    computed: which invars are activations computed outside (``evaluate``'s argument).
+    constants: the values of invars known while tracing (``known_constants``).
+  """
+  # Consts by id: a cached rewrite holds the consts it uses, so their ids stay theirs meanwhile.
+  key = (
+    caches.key_part(jaxpr, by_identity=True),
+    regions.version(),  # a rewrite follows the op registrations made before it
+    tuple(map(id, consts)),
+    in_avals,
+    ctx,
+    out_dtypes,
+    hoist,
+    computed,
+    constants,
+  )
+  recording = context.current_recorder() is not None
+  hit = None if recording else _rewrites.get(key)
+  if hit is not None:
+    return hit
+  hoisted: tuple = ()
+  if hoist:
+    discovery = Env(
+      ctx, casts=casting.CastCache(hoistable=frozenset(jaxpr.invars[:hoist])), record=False
+    )
+    compat.trace(
+      lambda *args: _evaluate_body(
+        jaxpr, consts, args, ctx, out_dtypes, discovery, computed, constants
+      ),
+      in_avals,
+    )
+    hoisted = tuple((jaxpr.invars.index(var), dtype) for var, dtype in discovery.casts.hoisted)
+  extra_avals = tuple(compat.aval_with_dtype(in_avals[i], dtype) for i, dtype in hoisted)
+
+  def body(*args):
+    invariants, extras, rest = (
+      args[:hoist],
+      args[hoist : hoist + len(hoisted)],
+      args[hoist + len(hoisted) :],
+    )
+    precast = {
+      (jaxpr.invars[i], dtype): extra for (i, dtype), extra in zip(hoisted, extras, strict=True)
+    }
+    env = Env(ctx, path, casts=casting.CastCache(precast=precast))
+    args = (*invariants, *rest)
+    return _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed, constants)
+
+  closed = compat.trace(body, (*in_avals[:hoist], *extra_avals, *in_avals[hoist:]))
+  if recording:
+    return closed, hoisted
+  _rewrites.put(key, (closed, hoisted))
+  return closed, hoisted
+
+
+def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed, constants):
+  outs = evaluate(jaxpr, consts, args, ctx, env=env, computed=computed, constants=constants)
+  if out_dtypes is None:
+    return outs
+  return [casting.as_dtype(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
+
+
+def sub_path(path: str, eqn, part: str = "") -> str:
+  """Where a sub-jaxpr of ``eqn`` evaluated at ``path`` sits, for ``explain``: e.g.
+  ``jit(log_softmax)/scan``."""
+  name = eqn.params.get("name") or ""
+  label = f"{eqn.primitive.name}({name})" if name else eqn.primitive.name
+  label += f".{part}" if part else ""
+  return f"{path}/{label}" if path else label
+
+
+def declared_dtypes(atoms) -> tuple:
+  return tuple(jnp.dtype(a.aval.dtype) for a in atoms)
+
+
+def restore_carries(env: Env, atoms, values: list) -> list:
+  """Values of ``atoms`` with their traced dtypes (for loop carries)."""
+  return [
+    env.cast(a, jnp.dtype(a.aval.dtype))
+    if not compat.is_literal(a) and jnp.issubdtype(a.aval.dtype, jnp.inexact)
+    else v
+    for a, v in zip(atoms, values, strict=True)
+  ]
+
+
+def _rewrite_call(closed, eqn, invals, env, ctx, weak: Sequence[bool] = ()):
+  """The closed jaxpr ``eqn`` calls on ``invals`` (all of its inputs), rewritten for them."""
+  new, _ = rewrite(
+    closed.jaxpr,
+    closed.consts,
+    body_avals(closed.jaxpr.invars, invals, weak),
+    ctx,
+    path=sub_path(env.path, eqn),
+    computed=computed_inputs(env, eqn.invars),
+    constants=known_constants(eqn.invars, ctx),
+  )
+  return new
+
+
+def _jit_rule(eqn, invals, env, ctx):
+  new = _rewrite_call(eqn.params["jaxpr"], eqn, invals, env, ctx, weak_inputs(eqn, env))
+  return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
+
+
+def _composite_rule(eqn, invals, env, ctx):
+  """A ``lax.composite`` is autocast like any call; its name and attributes stay."""
+  new = _rewrite_call(eqn.params["jaxpr"], eqn, invals, env, ctx, weak_inputs(eqn, env))
+  return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
+
+
+def _closed_call_rule(eqn, invals, env, ctx):
+  new = _rewrite_call(eqn.params["call_jaxpr"], eqn, invals, env, ctx)
+  return compat.bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+
+
+def _remat_rule(eqn, invals, env, ctx):
+  jaxpr = eqn.params["jaxpr"]
+  new, _ = rewrite(
+    jaxpr,
+    (),
+    body_avals(jaxpr.invars, invals),
+    ctx,
+    path=sub_path(env.path, eqn),
+    computed=computed_inputs(env, eqn.invars),
+  )
+  body, consts = compat.open_jaxpr(new)
+  prevent_cse = eqn.params["prevent_cse"]
+  if isinstance(prevent_cse, tuple):
+    prevent_cse = (False,) * len(consts) + prevent_cse
+  return compat.bind(eqn, [*consts, *invals], dict(eqn.params, jaxpr=body, prevent_cse=prevent_cse))
+
+
+def _scan_rule(eqn, invals, env, ctx):
+  p = eqn.params
+  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  closed = p["jaxpr"]
+  carry_atoms = eqn.invars[n_consts : n_consts + n_carry]
+  invals = [
+    *invals[:n_consts],
+    *restore_carries(env, carry_atoms, invals[n_consts : n_consts + n_carry]),
+    *invals[n_consts + n_carry :],
+  ]
+  out_dtypes = declared_dtypes(closed.jaxpr.outvars[:n_carry]) + (None,) * (
+    len(closed.jaxpr.outvars) - n_carry
+  )
+  computed = list(computed_inputs(env, eqn.invars))
+  computed[n_consts : n_consts + n_carry] = [True] * n_carry  # carries are computed by the body
+  new, hoisted = rewrite(
+    closed.jaxpr,
+    closed.consts,
+    body_avals(closed.jaxpr.invars, invals),
+    ctx,
+    out_dtypes,
+    hoist=n_consts,
+    path=sub_path(env.path, eqn),
+    computed=tuple(computed),
+  )
+  extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
+  params = dict(p, jaxpr=new, num_consts=n_consts + len(extras))
+  return compat.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], params)
+
+
+def _while_rule(eqn, invals, env, ctx):
+  p = eqn.params
+  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
+  carry_atoms = eqn.invars[n_cond + n_body :]
+  carry = restore_carries(env, carry_atoms, invals[n_cond + n_body :])
+  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  new_cond, _ = rewrite(
+    cond.jaxpr,
+    cond.consts,
+    body_avals(cond.jaxpr.invars, [*cond_consts, *carry]),
+    ctx,
+    declared_dtypes(cond.jaxpr.outvars),
+    path=sub_path(env.path, eqn, "cond"),
+  )
+  computed = computed_inputs(env, eqn.invars[n_cond : n_cond + n_body]) + (True,) * len(carry)
+  new_body, hoisted = rewrite(
+    body.jaxpr,
+    body.consts,
+    body_avals(body.jaxpr.invars, [*body_consts, *carry]),
+    ctx,
+    declared_dtypes(body.jaxpr.outvars),
+    hoist=n_body,
+    path=sub_path(env.path, eqn, "body"),
+    computed=computed,
+  )
+  extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
+  params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body, body_nconsts=n_body + len(extras))
+  return compat.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], params)
+
+
+def _cond_rule(eqn, invals, env, ctx):
+  branches = eqn.params["branches"]
+  operands = invals[1:]
+  out_dtypes = declared_dtypes(branches[0].jaxpr.outvars)
+  computed = computed_inputs(env, eqn.invars[1:])
+  new = tuple(
+    rewrite(
+      b.jaxpr,
+      b.consts,
+      body_avals(b.jaxpr.invars, operands),
+      ctx,
+      out_dtypes,
+      path=sub_path(env.path, eqn, f"branch{i}"),
+      computed=computed,
+    )[0]
+    for i, b in enumerate(branches)
+  )
+  return compat.bind(eqn, invals, dict(eqn.params, branches=new))
+
+
+def _shard_map_rule(eqn, invals, env, ctx):
+  """Re-binds through ``jax.shard_map``, which traces the body in the mesh's axis context."""
+  p = eqn.params
+  body = p["jaxpr"]
+  path = sub_path(env.path, eqn)
+  mapped = jax.shard_map(
+    lambda *args: tuple(evaluate(body, (), args, ctx, path=path)),
+    mesh=p["mesh"],
+    in_specs=p["in_specs"],
+    out_specs=p["out_specs"],
+    axis_names=compat.shard_map_axis_names(p),
+    check_vma=p["check_vma"],
+  )
+  return list(mapped(*invals))
+
+
+def _linear_solve_rule(eqn, invals, env, ctx):
+  """Each of the solve's functions (matvec, solve, ...) maps vectors of ``b``'s dtype to it."""
+  lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
+  n_consts = sum(lengths)
+  b = invals[n_consts:]
+  b_dtypes = tuple(compat.typeof(v).dtype for v in b)
+  new, start = [], 0
+  for length, closed in zip(lengths, jaxprs, strict=True):
+    consts = invals[start : start + length]
+    start += length
+    if closed is None:
+      new.append(None)
+      continue
+    body_in = [*consts, *_match(b, [v.aval.dtype for v in closed.jaxpr.invars[length:]])]
+    body_in = [*consts, *_match(body_in[length:], b_dtypes)]
+    new.append(
+      rewrite(
+        closed.jaxpr,
+        closed.consts,
+        body_avals(closed.jaxpr.invars, body_in),
+        ctx,
+        b_dtypes,
+        path=sub_path(env.path, eqn),
+      )[0]
+    )
+  return compat.bind(eqn, invals, dict(eqn.params, jaxprs=type(jaxprs)(*new)))
+
+
+# --- custom derivatives --------------------------------------------------------------------------
+
+
+def _match(values, dtypes) -> list:
+  """``values`` cast to ``dtypes`` (float0 tangents and non-floats left alone)."""
+  out = []
+  for value, dtype in zip(values, dtypes, strict=True):
+    current = compat.typeof(value).dtype
+    if (
+      current == dtype
+      or not jnp.issubdtype(current, jnp.inexact)
+      or not jnp.issubdtype(dtype, jnp.inexact)
+    ):
+      out.append(value)
+    else:
+      out.append(lax.convert_element_type(value, dtype))
+  return out
+
+
+def _autocast_primal(eqn, invals, env, ctx) -> tuple[compat.ClosedJaxpr, list]:
+  """A custom-derivative call's primal body, autocast, and the dtypes of its outputs now."""
+  body = _rewrite_call(eqn.params["call_jaxpr"], eqn, invals, env, ctx)
+  return body, [aval.dtype for aval in body.out_avals]
+
+
+def _custom_jvp_rule(eqn, invals, env, ctx):
+  """The primal autocast, and the JVP rule autocast and traced for the tangents JAX gives it.
+
+  A ``symbolic_zeros`` rule sees the inputs whose tangent is a symbolic zero as JAX shows
+  them; any other rule gets zeros for them, as JAX gives it. Values the primal closes over
+  (consts) get no tangent, as in JAX.
+  """
+  num_consts = eqn.params["num_consts"]
+  sees_zeros = eqn.params["symbolic_zeros"]
+  body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
+  rule = compat.custom_jvp_rule(eqn)
+  path = sub_path(env.path, eqn, "jvp")
+
+  @jax.custom_jvp
+  def autocast_fun(*xs):
+    return compat.jaxpr_as_fun(body)(*xs)
+
+  def autocast_fun_jvp(primals, tangents):
+    primals, tangents = list(primals[num_consts:]), list(tangents[num_consts:])
+    if not sees_zeros:
+      tangents = [_instantiate_tangent(p, t) for p, t in zip(primals, tangents, strict=True)]
+    zeros = [compat.is_symbolic_zero(t) for t in tangents]
+    jaxpr, consts, out_zeros = rule(zeros)
+    nonzero = [t for t, zero in zip(tangents, zeros, strict=True) if not zero]
+    n = len(out_zeros)
+
+    # Tangents are computed values: cast as such (never clipped), the rule stays linear in them.
+    computed = (False,) * len(primals) + (True,) * len(nonzero)
+    outs = evaluate(jaxpr, consts, [*primals, *nonzero], ctx, path=path, computed=computed)
+    outs, nonzero_out = outs[:n], outs[n:]
+    outs = _match(outs, out_dtypes)
+    nonzero_dtypes = [d for d, zero in zip(out_dtypes, out_zeros, strict=True) if not zero]
+    nonzero_out = iter(_match(nonzero_out, nonzero_dtypes))
+    out_tangents = [
+      jax.custom_derivatives.SymbolicZero.from_primal_value(out) if zero else next(nonzero_out)
+      for out, zero in zip(outs, out_zeros, strict=True)
+    ]
+    return outs, out_tangents
+
+  autocast_fun.defjvp(autocast_fun_jvp, symbolic_zeros=True)
+  return list(autocast_fun(*invals))
+
+
+def _instantiate_tangent(primal, tangent):
+  """A tangent as JAX gives it to a rule without ``symbolic_zeros``: a symbolic zero becomes
+  zeros (float0 ones for an integer primal)."""
+  if compat.is_symbolic_zero(tangent):
+    return jax.custom_derivatives.zero_from_primal(primal)
+  return tangent
+
+
+_backward_policy: contextvars.ContextVar = contextvars.ContextVar(
+  "jaxamp_backward_policy", default=None
+)
+
+
+def backward_policy():
+  """The policy of the forward pass whose custom_vjp backward is being traced; None when that
+  forward ran with autocast off (a ``custom_fwd(cast_inputs=...)`` region) or outside autocast."""
+  return _backward_policy.get()
+
+
+def _custom_fwd_region(jaxpr) -> regions.OpRegion | None:
+  """The ``custom_fwd(cast_inputs=...)`` region every eqn of ``jaxpr`` was traced in, if one."""
+  found = None
+  for eqn in jaxpr.eqns:
+    marks = regions.marks_of(eqn)
+    region = None if marks.kept else next((op for op in marks.ops if op.cast_to is not None), None)
+    if region is None or (found is not None and region.instance != found.instance):
+      return None
+    found = region
+  return found
+
+
+def _enter_custom_fwd(eqn, invals, env, ctx, fwd_jaxpr) -> tuple[list, Context]:
+  """A custom_vjp whose ``fwd`` rule (torch's spelling) or primal (JAX's) is a
+  ``custom_fwd(cast_inputs=...)`` function is that region as a whole: its floating inputs are
+  cast to the region's dtype, and primal, ``fwd`` and ``custom_bwd`` all run with autocast off.
+
+  torch's ``autograd.Function`` has one forward; a custom_vjp has two, the primal (run when
+  nothing is differentiated) and ``fwd`` (run under ``grad``/``vjp``), which must agree in
+  dtypes. Inside an op call (``ctx.op``) everything already runs natively: nothing changes.
+  ``fwd`` is looked at as JAX would call it now: with the inputs a differentiation under way
+  perturbs flagged (none when nothing is differentiated now).
+  """
+  if ctx.op is not None:
+    return invals, ctx
+  region = _custom_fwd_region(eqn.params["call_jaxpr"].jaxpr)
+  if region is None:
+    perturbed = tuple(compat.perturbed(v) for v in invals[eqn.params["num_consts"] :])
+    region = _custom_fwd_region(fwd_jaxpr(perturbed)[0])
+  if region is None:
+    return invals, ctx
+  cast = [
+    env.cast(atom, region.cast_to) if casting.is_eligible(env.dtype(atom)) else value
+    for atom, value in zip(eqn.invars, invals, strict=True)
+  ]
+  return cast, ctx._replace(op=region)
+
+
+def _custom_vjp_rule(eqn, invals, env, ctx):
+  """The primal autocast, and ``fwd`` autocast and traced for the inputs JAX says are perturbed.
+
+    The autocast custom_vjp takes its ``fwd``'s inputs with their perturbed flags
+    (``symbolic_zeros``) and traces the original ``fwd`` with them, so a rule that checks them
+    (Equinox's ``filter_custom_vjp`` asserts its non-differentiable inputs are not perturbed)
+    sees what it would see without autocast. ``bwd`` gets zero cotangents as its
+  ``symbolic_zeros`` asks: as ``SymbolicZero`` or as zeros.
+  """
+  num_consts = eqn.params["num_consts"]
+  sees_zeros = eqn.params["symbolic_zeros"]
+  fwd_jaxpr, split, bwd = compat.custom_vjp_rules(eqn)
+  invals, ctx = _enter_custom_fwd(eqn, invals, env, ctx, fwd_jaxpr)
+  # In a custom_fwd(cast_inputs=...) region, as in torch, the backward (custom_bwd or not) runs
+  # with autocast off on what the forward saved and cotangents in the outputs' dtypes; elsewhere
+  # on residuals and cotangents in their traced dtypes, custom_bwd under the forward's policy.
+  as_saved = ctx.op is not None and ctx.op.cast_to is not None
+  bwd_policy = None if as_saved else ctx.policy
+  body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
+  ct_avals = body.out_avals if as_saved else [v.aval for v in eqn.outvars]
+  in_avals = [compat.typeof(v) for v in invals]
+  path = sub_path(env.path, eqn, "fwd")
+
+  @jax.custom_vjp
+  def autocast_fun(*xs):
+    return compat.jaxpr_as_fun(body)(*xs)
+
+  def autocast_fwd(*xs):
+    if any(x.perturbed for x in xs[:num_consts]):
+      raise compat.closed_over_perturbed()  # as JAX does, rather than a zero gradient
+    values = [x.value for x in xs]
+    jaxpr, consts = fwd_jaxpr(tuple(x.perturbed for x in xs[num_consts:]))
+    res_and_outs = evaluate(jaxpr, consts, values[num_consts:], ctx, path=path)
+    residuals, residual_dtypes, outs = split(jaxpr, res_and_outs, values)
+    # The dtypes bwd expects, as zero-size arrays: they depend on the flags fwd ran with.
+    expected = () if as_saved else tuple(map(_dtype_marker, residual_dtypes))
+    return _match(outs, out_dtypes), (tuple(residuals), expected)  # a list, like the primal's
+
+  def cotangent(ct, aval):
+    """An output cotangent for ``bwd``: in ``aval``'s dtype, a zero as ``bwd`` takes zeros."""
+    if compat.is_symbolic_zero(ct):
+      return compat.symbolic_zero(aval) if sees_zeros else compat.instantiate(ct, aval)
+    return _match([ct], [aval.dtype])[0]
+
+  def autocast_bwd(saved, cts):
+    residuals, expected = saved
+    if not as_saved:
+      residuals = _match(list(residuals), [compat.typeof(m).dtype for m in expected])
+    cts = [cotangent(ct, aval) for ct, aval in zip(cts, ct_avals, strict=True)]
+    token = _backward_policy.set(bwd_policy)
+    try:
+      in_cts = bwd(*residuals, *cts)
+    finally:
+      _backward_policy.reset(token)
+    # No cotangent (a symbolic zero) for consts, as in JAX, nor where bwd gives none.
+    in_cts = [None] * num_consts + [None if compat.is_symbolic_zero(ct) else ct for ct in in_cts]
+    return tuple(
+      ct if ct is None else _match([ct], [aval.dtype])[0]
+      for ct, aval in zip(in_cts, in_avals, strict=True)
+    )
+
+  autocast_fun.defvjp(autocast_fwd, autocast_bwd, symbolic_zeros=True)
+  return list(autocast_fun(*invals))
+
+
+def _dtype_marker(dtype) -> jax.Array:
+  """A zero-size array that carries ``dtype`` from ``fwd`` to ``bwd`` (a residual's leaves are
+  arrays); a dtype autocast never casts to is carried as bool."""
+  return jnp.zeros((0,), dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.bool_)
+
+
+# Higher-order primitive -> its body rule: each rewrites its bodies and re-binds the primitive.
+BODY_RULES: dict[Any, rules.BodyRule] = {
+  prims.jit_p: _jit_rule,
+  prims.closed_call_p: _closed_call_rule,
+  prims.composite_p: _composite_rule,
+  prims.remat_p: _remat_rule,
+  prims.scan_p: _scan_rule,
+  prims.while_p: _while_rule,
+  prims.cond_p: _cond_rule,
+  prims.shard_map_p: _shard_map_rule,
+  prims.linear_solve_p: _linear_solve_rule,
+  prims.custom_jvp_call_p: _custom_jvp_rule,
+  prims.custom_vjp_call_p: _custom_vjp_rule,
+}
+
+# The rules autocast evaluates with: ``rules.py``'s and these.
+RULES = rules.rule_set(BODY_RULES)

@@ -1,0 +1,100 @@
+"""Library functions autocast recognises as one torch op, by identity.
+
+Each entry is (module, attribute path, op name): the function at that path of the module is
+recognised by its code object among the frames of an eqn's traceback, wherever the library lives
+and whatever its files are called. The op name keys the policy tables: a table row decides the
+category; ops without a row run in the dtypes of their inputs, as torch runs its unlisted ops (so
+``gelu`` under the CUDA policy does not send its ``x**3`` to float32 the way a bare ``pow`` would).
+
+jax and optax (dependencies, already imported) resolve at import, so a rename fails there; flax,
+Haiku and Equinox resolve at the first trace after they are imported, so registering their
+layers imports none of them. ``tests/autocast/test_library_ops.py`` resolves and exercises every entry.
+"""
+
+_LAX_NUMPY = "jax._src.numpy.lax_numpy"  # the pad modes jnp.pad dispatches to are private
+
+EAGER_OPS = (
+  # jax.nn
+  ("jax.nn", "softmax", "softmax"),
+  ("jax.nn", "log_softmax", "log_softmax"),
+  ("jax.nn", "softplus", "softplus"),
+  ("jax.nn", "dot_product_attention", "scaled_dot_product_attention"),
+  ("jax.nn", "gelu", "gelu"),
+  ("jax.nn", "silu", "silu"),
+  ("jax.nn", "elu", "elu"),
+  ("jax.nn", "celu", "celu"),
+  ("jax.nn", "selu", "selu"),
+  ("jax.nn", "log_sigmoid", "log_sigmoid"),
+  ("jax.nn", "mish", "mish"),
+  ("jax.nn", "glu", "glu"),
+  ("jax.nn", "relu", "relu"),  # torch_xla lists relu (lower precision)
+  # jax.nn.logsumexp is jax.scipy.special.logsumexp
+  ("jax.scipy.special", "logsumexp", "logsumexp"),
+  # jax.numpy
+  ("jax.numpy", "tensordot", "tensordot"),
+  ("jax.numpy", "cross", "cross"),
+  ("jax.numpy", "trace", "trace"),
+  (_LAX_NUMPY, "_pad_symmetric_or_reflect", "reflection_pad"),
+  (_LAX_NUMPY, "_pad_edge", "replication_pad"),
+  ("jax.numpy.linalg", "norm", "norm"),
+  ("jax.numpy.linalg", "pinv", "pinverse"),
+  ("jax.numpy.linalg", "inv", "inverse"),
+  ("jax.numpy.linalg", "solve", "linalg_solve"),
+  ("jax.numpy.linalg", "tensorinv", "linalg_tensorinv"),
+  ("jax.numpy.linalg", "tensorsolve", "linalg_tensorsolve"),
+  ("jax.numpy.linalg", "lstsq", "linalg_lstsq"),
+  ("jax.numpy", "sum", "sum"),
+  ("jax.numpy", "prod", "prod"),
+  ("jax.numpy", "mean", "mean"),
+  ("jax.numpy", "cumsum", "cumsum"),
+  ("jax.numpy", "cumprod", "cumprod"),
+  ("jax.numpy", "quantile", "quantile"),
+  ("jax.numpy", "nanquantile", "quantile"),
+  # optax losses
+  ("optax.losses", "sigmoid_binary_cross_entropy", "binary_cross_entropy_with_logits"),
+  ("optax.losses", "softmax_cross_entropy", "cross_entropy"),
+  ("optax.losses", "safe_softmax_cross_entropy", "cross_entropy"),
+  ("optax.losses", "softmax_cross_entropy_with_integer_labels", "cross_entropy"),
+  ("optax.losses", "kl_divergence", "kl_div"),
+  ("optax.losses", "kl_divergence_with_log_targets", "kl_div"),
+  ("optax.losses", "ctc_loss", "ctc_loss"),
+  ("optax.losses", "ctc_loss_with_forward_probs", "ctc_loss"),
+  ("optax.losses", "multiclass_hinge_loss", "multi_margin_loss"),
+  ("optax.losses", "squared_error", "mse_loss"),
+  ("optax.losses", "l2_loss", "mse_loss"),
+  ("optax.losses", "huber_loss", "huber_loss"),
+  ("optax.losses", "cosine_similarity", "cosine_similarity"),
+  ("optax.losses", "triplet_margin_loss", "triplet_margin_loss"),
+)
+
+# Norm and activation layers of optional libraries (their activation functions are jax.nn's).
+# Haiku's InstanceNorm is its LayerNorm's __call__, so it is a layer_norm, as it computes one.
+LAZY_OPS = (
+  # flax.linen
+  ("flax.linen", "LayerNorm.__call__", "layer_norm"),
+  ("flax.linen", "GroupNorm.__call__", "group_norm"),
+  ("flax.linen", "BatchNorm.__call__", "batch_norm"),
+  ("flax.linen", "RMSNorm.__call__", "rms_norm"),
+  ("flax.linen", "InstanceNorm.__call__", "instance_norm"),
+  ("flax.linen", "PReLU.__call__", "prelu"),
+  # flax.nnx
+  ("flax.nnx", "LayerNorm.__call__", "layer_norm"),
+  ("flax.nnx", "GroupNorm.__call__", "group_norm"),
+  ("flax.nnx", "BatchNorm.__call__", "batch_norm"),
+  ("flax.nnx", "RMSNorm.__call__", "rms_norm"),
+  ("flax.nnx", "InstanceNorm.__call__", "instance_norm"),
+  ("flax.nnx", "PReLU.__call__", "prelu"),
+  # Haiku
+  ("haiku", "LayerNorm.__call__", "layer_norm"),
+  ("haiku", "GroupNorm.__call__", "group_norm"),
+  ("haiku", "BatchNorm.__call__", "batch_norm"),
+  ("haiku", "RMSNorm.__call__", "rms_norm"),
+  # Equinox
+  ("equinox.nn", "LayerNorm.__call__", "layer_norm"),
+  ("equinox.nn", "GroupNorm.__call__", "group_norm"),
+  ("equinox.nn", "BatchNorm.__call__", "batch_norm"),
+  ("equinox.nn", "RMSNorm.__call__", "rms_norm"),
+  ("equinox.nn", "PReLU.__call__", "prelu"),
+)
+
+LIBRARY_OPS = EAGER_OPS + LAZY_OPS

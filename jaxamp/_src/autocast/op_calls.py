@@ -1,0 +1,172 @@
+"""Calls of op regions in a jaxpr: which eqns form one call, and what leaves it in which dtype.
+
+An op region (``regions.py``) marks eqns traced inside a registered or recognised function; the
+policy gives the op a category. ``op_calls`` groups consecutive eqns into calls, ``OpExits``
+remembers each FLOAT32_INSIDE call's main input so its float32 results leave in that dtype, and
+``recomputed_runs`` finds the softmax calls evaluated under ``jax.checkpoint``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from jaxamp._src import compat
+from jaxamp._src.autocast import casting, regions
+from jaxamp._src.policies.policy import Policy
+from jaxamp._src.policies.table import Category
+
+# Ops whose outputs include state shaped like a non-main input (BatchNorm's running statistics):
+# those outputs keep float32 when they leave the op.
+STATEFUL_OPS = frozenset({"batch_norm"})
+
+# These FLOAT32_INSIDE ops run under ``jax.checkpoint`` when a 16-bit tensor enters them: torch's
+# softmax kernels save a 16-bit tensor (their output) for the backward, while differentiating
+# the float32 computation would keep its float32 ``exp``, twice the bytes. Recomputing the
+# elementwise inside costs little. Norms are not recomputed: their backward would recompute
+# ``x - mean`` over the whole activation, which cost more step time on XLA:CPU (+8-17% on the
+# benchmark conv net) than the float32 copies it saves are worth.
+RECOMPUTED_OPS = frozenset({"softmax", "log_softmax", "softmin"})
+
+
+class OpCall(NamedTuple):
+  """One call of an op region: the region, the instance telling calls apart, its category."""
+
+  region: regions.OpRegion
+  instance: str
+  category: Category
+
+
+def op_category(op: regions.OpRegion, policy: Policy) -> Category | None:
+  """The op's category under ``policy``; None for a plain composition (no row, no default)."""
+  if op.cast_to is not None:
+    return Category.NATIVE  # custom_fwd(cast_inputs=...): cast on entry, autocast off inside
+  return policy.op_category(op.name, op.default)
+
+
+def op_calls(
+  eqns,
+  marks: Sequence[regions.Marks],
+  inside: OpCall | None,
+  policy: Policy,
+  numbers: Iterator[int],
+) -> list[OpCall | None]:
+  """The op call each eqn belongs to: the outermost op region the policy gives a category.
+
+  Inside an op (``inside``) every eqn belongs to it. An op the table does not list is a plain
+  composition (torch decomposes it into listed ops): the search goes on inward, and without any
+  listed op the eqn follows its primitive's rule. Consecutive eqns of one call site form one
+  call until an eqn that reads nothing the call computed comes at a position inside the op that
+  does not move on (the next call from the same site: a loop, a linen module's wrapper); any
+  other eqn in between ends the call. ``numbers`` numbers the calls.
+  """
+  if inside is not None:
+    return [inside] * len(marks)
+  calls: list[OpCall | None] = []
+  site, position, produced = None, None, set()  # of the current call
+  for eqn, eqn_marks in zip(eqns, marks, strict=True):
+    call = None
+    for op, at in zip(eqn_marks.ops, eqn_marks.positions, strict=True):
+      category = None if eqn_marks.kept else op_category(op, policy)
+      if category is None:
+        continue
+      moves_on = at is None or position is None or at > position
+      if site == op.instance and (moves_on or _reads_any(eqn, produced)):
+        call = calls[-1]
+      else:
+        call = OpCall(op, f"{op.instance}#{next(numbers)}", category)
+        produced = set()
+      site, position = op.instance, at
+      produced.update(eqn.outvars)
+      break
+    if call is None:
+      site = None
+    calls.append(call)
+  return calls
+
+
+def _reads_any(eqn, values: set) -> bool:
+  return any(not compat.is_literal(a) and a in values for a in eqn.invars)
+
+
+class OpExits:
+  """What each FLOAT32_INSIDE call returns its float32 results in: its main input's dtype.
+
+  torch's kernels return the dtype of their main input; values leaving in another dtype were
+  chosen explicitly (``dtype=``) and keep it. A stateful op's (``STATEFUL_OPS``) outputs shaped
+  like another of its inputs are its state, not its result, and stay float32: BatchNorm's
+  running mean and variance, shaped like its scale.
+  """
+
+  def __init__(self):
+    self._exits: dict[str, tuple[Any, frozenset]] = {}  # instance -> main input aval, shapes
+
+  def note_entering(self, instance: str, avals: Sequence[Any], stateful: bool) -> None:
+    """Remembers the largest floating value entering ``instance`` (and, for a stateful op, the
+    others' shapes: those of its state)."""
+    main, shapes = self._exits.get(instance, (None, frozenset()))
+    for aval in avals:
+      if not casting.is_eligible(aval.dtype):
+        continue
+      if main is None or aval.size > main.size:
+        main, aval = aval, main
+      if aval is not None and stateful:
+        shapes |= {aval.shape}
+    if main is not None:
+      self._exits[instance] = (main, shapes - {main.shape})
+
+  def exit_dtype(self, instance: str, shape: tuple, dtype) -> Any | None:
+    """The dtype a value of ``shape`` and ``dtype`` computed in ``instance`` leaves it in; None
+    when it leaves as it is."""
+    if instance not in self._exits or dtype != jnp.float32:
+      return None
+    main, state_shapes = self._exits[instance]
+    if shape == main.shape or shape not in state_shapes:
+      return main.dtype
+    return None
+
+
+class Segment(NamedTuple):
+  """Consecutive eqns of one op call as a jaxpr ``interpreter.evaluate`` can run on its own."""
+
+  constvars: tuple
+  invars: list
+  eqns: list
+  outvars: list
+
+
+def recomputed_runs(calls: Sequence[OpCall | None]) -> dict[int, int]:
+  """Start -> stop of each run of consecutive eqns forming one call of a recomputed op."""
+  runs: dict[int, int] = {}
+  start, current = 0, None
+  for index, call in enumerate(calls):
+    recomputed = (
+      call is not None
+      and call.category is Category.FLOAT32_INSIDE
+      and call.region.name in RECOMPUTED_OPS
+    )
+    instance = call.instance if recomputed else None
+    if instance != current:
+      if current is not None:
+        runs[start] = index
+      start, current = index, instance
+  if current is not None:
+    runs[start] = len(calls)
+  return runs
+
+
+def segment(eqns, start: int, stop: int, last_read: dict[Any, int]) -> Segment | None:
+  """``eqns[start:stop]`` with the variables it reads from outside and those read after it."""
+  body = eqns[start:stop]
+  if any(eqn.effects for eqn in body):
+    return None
+  defined, invars = set(), {}
+  for eqn in body:
+    for atom in eqn.invars:
+      if not compat.is_literal(atom) and atom not in defined:
+        invars.setdefault(atom, None)
+    defined.update(eqn.outvars)
+  outvars = [var for eqn in body for var in eqn.outvars if last_read.get(var, -1) >= stop]
+  return Segment((), list(invars), body, outvars)

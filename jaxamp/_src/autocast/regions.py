@@ -1,0 +1,326 @@
+"""Regions: parts of a traced program that autocast treats as a whole.
+
+A region is marked with a JAX name scope, which every eqn traced inside it carries in its
+``source_info.name_stack`` (through jit, jvp and transpose alike). Three kinds exist:
+
+* *kept* regions run exactly as written: ``autocast_disabled()`` blocks, ``autocast(enabled=False)``
+  calls and nested ``autocast`` calls, whose eqns were already rewritten by their own policy;
+* *op* regions stand for one torch op made of several primitives (softmax, mse_loss, ...): the
+  values entering them are cast by the op's category, the eqns inside run as they are;
+* library functions recognised by identity (their code object among the frames of their eqns'
+  tracebacks) are op regions too, so optax, flax, Haiku, Equinox and ``jax.nn`` composites are
+  found without wrapping them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import itertools
+import sys
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._src import caches, compat
+from jaxamp._src.autocast import library_ops
+from jaxamp._src.policies.table import Category
+
+# Name scopes of eqns autocast runs exactly as written: what an autocast call emitted (the scope
+# profiles show around autocast code) and the inside of autocast_disabled() blocks.
+AUTOCAST_MARK = "jaxamp.autocast"
+KEPT_MARK = "jaxamp.kept"
+_KEPT_MARKS = frozenset({AUTOCAST_MARK, KEPT_MARK})
+_OP_PREFIX = "jaxamp.op:"
+# Trace -> the numbers of the op calls traced in it so far: the same function traced twice is
+# numbered alike (``jaxamp.op:mse_loss#0`` in both lowerings' metadata).
+_op_numbers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class OpRegion(NamedTuple):
+  """A named op region.
+
+  Attributes:
+    name: the op's name, which keys the policy tables.
+    instance: tells two calls of the op apart.
+    default: the category where the table has no row for ``name``.
+    cast_to: a dtype every entering floating value is cast to, whatever the policy
+      (``custom_fwd(cast_inputs=...)``).
+  """
+
+  name: str
+  instance: str
+  default: Category | None
+  cast_to: np.dtype | None = None
+
+
+_user_defaults: dict[str, Category | None] = {}
+# Bumped by every registration (an op's category, a library function): the lookups of scopes and
+# tracebacks are cached per version, so a registration reaches ops looked up before it.
+_version = 0
+
+
+def version() -> int:
+  """The registrations' version: what is derived from them is stale once it changes."""
+  return _version
+
+
+def _registered() -> None:
+  global _version
+  _version += 1
+
+
+@contextlib.contextmanager
+def kept_region(mark: str = KEPT_MARK) -> Iterator[None]:
+  """Marks everything traced inside as run exactly as written (``mark``: one of _KEPT_MARKS)."""
+  with jax.named_scope(mark):
+    yield
+
+
+def autocast_disabled() -> contextlib.AbstractContextManager[None]:
+  """A block inside an autocast function that autocast leaves untouched.
+
+  torch's ``with torch.autocast(device_type, enabled=False):``. Values entering the block get
+  back the dtypes they had when the function was traced, so the block computes as written.
+  """
+  return kept_region()
+
+
+@contextlib.contextmanager
+def op_region(name: str) -> Iterator[None]:
+  """Marks everything traced inside as one op named ``name`` (a row of the policy tables)."""
+  trace = compat.current_trace()
+  numbers = _op_numbers.get(trace)
+  if numbers is None:
+    numbers = _op_numbers[trace] = itertools.count()
+  with jax.named_scope(f"{_OP_PREFIX}{name}#{next(numbers)}"):
+    yield
+
+
+_CUSTOM_FWD = "custom_fwd:"
+
+
+def custom_fwd_name(dtype: np.dtype) -> str:
+  """The op-region name of a ``custom_fwd(cast_inputs=dtype)`` function."""
+  return f"{_CUSTOM_FWD}{np.dtype(dtype).name}"
+
+
+def register_op(
+  op: str | Callable, name: str | None = None, *, category: Category | str | None = None
+) -> Callable:
+  """Makes a function one autocast op region named ``name``: a row of the policy tables.
+
+  The policy's table decides the category of ``name``; ``category`` is used where the table has
+  no row for it (for your own ops). Without either, the op runs in its inputs' dtypes, as torch
+  runs the ops its lists leave out. Two forms:
+
+  * ``register_op("my_loss", category="float32")`` is a decorator that wraps the function;
+  * ``register_op(their_norm, name="layer_norm")`` recognises a function you cannot edit (a
+    third-party library's) by identity, its code object in the traceback of the eqns traced
+    inside it, and returns it unchanged.
+
+  Example::
+
+    @jaxamp.register_op("my_loss", category="float32")
+    def my_loss(pred, target): ...
+
+    jaxamp.register_op(other_lib.rms_norm, name="rms_norm")
+  """
+  if callable(op) and not isinstance(op, str):
+    if not isinstance(name, str) or not name:
+      raise TypeError(
+        f"`name` must be a non-empty string; got {op!r} with name={name!r} "
+        "(register_op(fun, name=...) recognises fun as op `name`)."
+      )
+    _set_default(name, category)
+    register_library_op(op, name)
+    return op
+  if not isinstance(op, str) or not op:
+    raise TypeError(f"`name` must be a non-empty string or the function to register; got {op!r}.")
+  if name is not None:
+    raise TypeError(f"register_op({op!r}) takes the op's name once; got name={name!r} too.")
+  name = op
+  _set_default(name, category)
+
+  def decorate(fun: Callable) -> Callable:
+    if not callable(fun):
+      raise TypeError(f"register_op({name!r}) decorates a callable; got {fun!r}.")
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+      with op_region(name):
+        return fun(*args, **kwargs)
+
+    return wrapped
+
+  return decorate
+
+
+def _set_default(name: str, category: Category | str | None) -> None:
+  """Records ``name``'s fallback category. None adds nothing to an earlier registration; another
+  category than an earlier one raises rather than silently changing every call of the op."""
+  default, earlier = _as_category(category), _user_defaults.get(name)
+  if default is not None and earlier is not None and default != earlier:
+    raise ValueError(
+      f"op {name!r} is registered with category {earlier.value!r}; registering "
+      f"it again with {default.value!r} would silently change it."
+    )
+  _user_defaults[name] = default if default is not None else earlier
+  _registered()  # named and library regions of ``name`` take this default too
+
+
+def registered_ops() -> tuple[str, ...]:
+  """The names of the op regions made with ``register_op``."""
+  return tuple(_user_defaults)
+
+
+def _as_category(category: Category | str | None) -> Category | None:
+  if category is None or isinstance(category, Category):
+    return category
+  try:
+    return Category(category)
+  except ValueError:
+    choices = [c.value for c in Category]
+    raise ValueError(f"`category` must be one of {choices} or None; got {category!r}.") from None
+
+
+# Functions recognised as op regions by identity: the code object of each, looked for among the
+# frames of an eqn's traceback, -> the op names (policy-table rows) it stands for.
+_library_codes: dict[types.CodeType, tuple[str, ...]] = {}
+# Functions of libraries not imported yet: module -> [(attribute path, op name)], resolved once
+# the module is in sys.modules (so registering Haiku's layers does not import Haiku).
+_pending: dict[str, list[tuple[str, str]]] = {}
+
+
+def code_of(fun: Callable) -> types.CodeType:
+  """The code object a call of ``fun`` runs: through ``functools.wraps`` and ``jax.jit``
+  wrappers (``inspect.unwrap``), of the function of a method."""
+  inner = inspect.unwrap(fun)
+  inner = getattr(inner, "__func__", inner)
+  code = getattr(inner, "__code__", None)
+  if not isinstance(code, types.CodeType):
+    raise TypeError(
+      f"{fun!r} has no Python code object to recognise in a traceback; register "
+      "the Python function it runs (for a class, its `__call__`)."
+    )
+  return code
+
+
+def register_library_op(fun: Callable, name: str) -> None:
+  """Treats eqns traced inside ``fun`` (recognised by its code object) as op ``name``."""
+  code = code_of(fun)
+  if name not in _library_codes.get(code, ()):
+    _library_codes[code] = (*_library_codes.get(code, ()), name)
+    _registered()
+
+
+def resolve(module: str, path: str) -> Callable:
+  """The object at attribute ``path`` (``"LayerNorm.__call__"``) of imported ``module``."""
+  found = importlib.import_module(module)
+  for attribute in path.split("."):
+    found = getattr(found, attribute)
+  return found
+
+
+def register_library_op_lazily(module: str, path: str, name: str) -> None:
+  """``register_library_op`` of ``module``'s ``path`` now if ``module`` is imported, or else at
+  the first trace after it is."""
+  _pending.setdefault(module, []).append((path, name))
+  _resolve_pending()
+
+
+def _resolve_pending() -> None:
+  for module in [m for m in _pending if m in sys.modules]:
+    spec = getattr(sys.modules[module], "__spec__", None)
+    if getattr(spec, "_initializing", False):
+      continue  # still being imported: wait for the next trace
+    for path, name in _pending.pop(module):
+      try:
+        register_library_op(resolve(module, path), name)
+      except (AttributeError, TypeError) as error:
+        warnings.warn(
+          f"jaxamp cannot recognise {module}.{path} as op {name!r} ({error}); its "
+          "eqns follow per-primitive rules.",
+          RuntimeWarning,
+          stacklevel=2,
+        )
+
+
+def _recognise_library_ops() -> None:
+  """Recognises ``library_ops``' functions: jax's and optax's now (a rename fails at import),
+  the optional libraries' once they are imported."""
+  for module, path, name in library_ops.EAGER_OPS:
+    register_library_op(resolve(module, path), name)
+  for module, path, name in library_ops.LAZY_OPS:
+    register_library_op_lazily(module, path, name)
+
+
+class Marks(NamedTuple):
+  """What an eqn's provenance says: kept, and the op regions around it, outermost first.
+
+  ``positions`` holds, for each op, where inside the op's call the eqn was traced (the bytecode
+  offsets of the frames from the op's function inward; None for named regions, which are unique
+  per call). Within one call, positions of consecutive eqns do not go back.
+  """
+
+  kept: bool
+  ops: tuple[OpRegion, ...]
+  positions: tuple[tuple[int, ...] | None, ...] = ()
+
+
+NO_MARKS = Marks(False, ())
+
+
+def marks_of(eqn) -> Marks:
+  """The region marks of one eqn, from its name stack and its traceback."""
+  scopes = compat.name_scopes(eqn)
+  if not _KEPT_MARKS.isdisjoint(scopes):
+    return Marks(True, ())
+  if _pending:
+    _resolve_pending()
+  named = tuple(_named_op(scope, _version) for scope in scopes if scope.startswith(_OP_PREFIX))
+  library, positions = _library_ops_of(compat.traceback_code_frames(eqn), _version)
+  if not named and not library:
+    return NO_MARKS
+  return Marks(False, named + library, (None,) * len(named) + positions)
+
+
+@caches.lru_cache("regions.named_ops", maxsize=4096)
+def _named_op(scope: str, version: int) -> OpRegion:
+  """The op region a ``jaxamp.op:`` scope names, under registrations of ``version``."""
+  name = scope[len(_OP_PREFIX) :].rpartition("#")[0]
+  cast_to = np.dtype(jnp.dtype(name[len(_CUSTOM_FWD) :])) if name.startswith(_CUSTOM_FWD) else None
+  return OpRegion(name, scope, _user_defaults.get(name), cast_to)
+
+
+@caches.lru_cache("regions.library_ops", maxsize=4096)
+def _library_ops_of(
+  frames: tuple[tuple[types.CodeType, int], ...], version: int
+) -> tuple[tuple[OpRegion, ...], tuple[tuple[int, ...], ...]]:
+  """The recognised library functions among ``frames`` (innermost first), outermost first,
+  under registrations of ``version``.
+
+  Returned with each one's position inside its call: the bytecode offsets of the frames from
+  the function's own inward, which grow (compared as tuples) as the call runs on. The instance
+  names the call site (the caller's frame); two calls from one site (a loop, a linen module's
+  wrapper) are told apart by the position going back (``op_calls.op_calls``).
+  """
+  found, positions = [], []
+  for index, (code, offset) in enumerate(frames):
+    for name in _library_codes.get(code, ()):
+      caller, at = frames[index + 1] if index + 1 < len(frames) else (None, 0)
+      site = f"{caller.co_filename}:{caller.co_qualname}" if caller is not None else ""
+      found.append(OpRegion(name, f"{name}@{site}:{at}", _user_defaults.get(name)))
+      positions.append(tuple(offset for _, offset in reversed(frames[: index + 1])))
+  return tuple(reversed(found)), tuple(reversed(positions))
+
+
+_recognise_library_ops()

@@ -1,0 +1,601 @@
+"""The cast rules: one function per category and per special case, in one ``RuleSet``.
+
+Every rule takes ``(eqn, env, ctx)`` and returns an ``Applied``: the eqn's outputs, the
+``Ruling`` that says which rule decided (``explain`` reads it as data), and the values the
+primitive was bound on. ``rule_set`` gathers them; ``RuleSet.dispatch`` picks an eqn's:
+
+* ``kept`` for eqns in kept regions (an inner autocast, ``autocast_disabled()``);
+* the higher-order rules (``higher_order.py``), which rewrite bodies, made rules by ``rewriting``;
+* ``traced_dtypes`` for dtype-sensitive and unknown primitives (``keeps_dtypes``);
+* inside an op call (``env.call``), ``IN_OP_RULES`` by primitive or ``op_entry``: the values
+  entering the call are cast by the op's category, and inside it everything runs natively;
+* outside, ``PRIMITIVE_RULES`` by primitive or ``by_category``, casting by the category the
+  policy table gives the primitive (``CAST_TARGETS``).
+
+What the rules learn about values (a low-precision matmul's output, a weak scalar) is recorded
+after the bind, in one place: ``record_facts``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._src import compat
+from jaxamp._src.autocast import casting, dataflow, op_calls, weight_grads
+from jaxamp._src.autocast.context import Context, Env, Rule, RuleSet
+from jaxamp._src.policies.policy import Policy
+from jaxamp._src.policies.table import LOW_DTYPES, NO_16_BIT_KERNELS, Category
+
+p = compat.primitives
+
+
+class Decider(enum.Enum):
+  """The rule that decided an eqn's dtypes (``explain`` reads it as data)."""
+
+  KEPT = "kept"
+  TRACED_DTYPES = "traced dtypes (unknown or dtype-sensitive primitive)"
+  HIGHER_ORDER = "higher-order: body rewritten"
+  WEAK_SCALAR = "native: a Python scalar follows the other operand"
+  BIAS_ADD = "lower: bias add of a low-precision dot/conv"
+  EXPLICIT_PRECISION = "explicit precision=: runs in the traced dtypes"
+  CATEGORY = "the category of the primitive"
+  OP = "the category of the op region"
+
+
+class Ruling(NamedTuple):
+  """Which rule decided an eqn's dtypes.
+
+  Attributes:
+    rule: the rule.
+    category: the category applied, where one was.
+    op: the op region the eqn belongs to, for eqns inside an op call.
+  """
+
+  rule: Decider
+  category: Category | None = None
+  op: str | None = None
+
+  def describe(self) -> str:
+    """One line for ``explain``'s table: "lower", "op softmax: float32", "kept", ..."""
+    if self.rule is Decider.CATEGORY:
+      return self.category.value
+    if self.rule is Decider.OP:
+      return f"op {self.op}: {self.category.value}"
+    return self.rule.value
+
+
+class Applied(NamedTuple):
+  """What a rule did: the outputs, its ruling and the values the primitive was bound on."""
+
+  outs: list[Any]
+  ruling: Ruling
+  ran_on: list[Any]
+
+
+# --- which primitives keep their traced dtypes ---------------------------------------------------
+
+# Primitives whose meaning depends on their input dtypes: they always get the traced ones back.
+KEEP_DTYPES = frozenset(
+  {
+    p.bitcast_convert_type_p,
+    p.reduce_p,
+    p.reduce_window_p,
+    p.select_and_scatter_p,
+    p.select_and_gather_add_p,
+    p.pure_callback_p,
+    p.io_callback_p,
+    p.ffi_call_p,
+    p.run_state_p,
+  }
+)
+# The same for primitives of optional backends JAX exports no object for (Pallas, Mosaic).
+KEEP_DTYPES_BY_NAME = frozenset({"pallas_call", "mosaic_gpu_call", "tpu_custom_call"})
+
+# Primitives with a scalar combiner jaxpr typed like the operand, re-typed after a cast.
+COMBINER_PARAM = {
+  p.scatter_add_p: "update_jaxpr",
+  p.scatter_mul_p: "update_jaxpr",
+  p.scatter_min_p: "update_jaxpr",
+  p.scatter_max_p: "update_jaxpr",
+  p.scatter_p: "update_jaxpr",
+}
+
+# Primitives that compute in the low dtype: their outputs are ``lowered`` (a bias added to them
+# stays low), and inside a LOWER op everything they read is cast.
+MATMULS = frozenset({p.dot_general_p, p.conv_general_dilated_p, p.ragged_dot_general_p})
+
+
+# Arithmetic and comparisons with a Python scalar: torch computes them in float32 ("opmath")
+# and rounds the result to the 16-bit dtype. A scalar that fits the 16-bit dtype gives the same
+# answer in it; one that does not (``x * 1e5`` in float16) makes the op compute in float32.
+SCALAR_OPMATH = frozenset(
+  {
+    p.add_p,
+    p.sub_p,
+    p.mul_p,
+    p.div_p,
+    p.rem_p,
+    p.pow_p,
+    p.max_p,
+    p.min_p,
+    p.clamp_p,
+    p.atan2_p,
+    p.nextafter_p,
+    p.lt_p,
+    p.le_p,
+    p.gt_p,
+    p.ge_p,
+    p.eq_p,
+    p.ne_p,
+  }
+)
+
+
+# Primitives that map each operand to its own result (sorting keys and values together, or a
+# barrier, or a transfer): an operand that shared a dtype with another when traced need not now.
+# Every other primitive gets operands equal-typed when traced equal-typed again.
+INDEPENDENT_OPERANDS = frozenset({p.optimization_barrier_p, p.sort_p, p.device_put_p})
+
+
+def keeps_dtypes(eqn) -> bool:
+  """Listed primitives, and unknown ones carrying jaxprs, callables or avals, keep their dtypes
+  (the higher-order primitives with rules of their own are dispatched before this is asked)."""
+  if eqn.primitive in KEEP_DTYPES or eqn.primitive.name in KEEP_DTYPES_BY_NAME:
+    return True
+  if eqn.primitive in COMBINER_PARAM:
+    return False
+  return any(
+    compat.is_typed_param(item)
+    for value in eqn.params.values()
+    for item in (value if isinstance(value, tuple | list) else (value,))
+  )
+
+
+# --- the categories ------------------------------------------------------------------------------
+
+# A category's cast target: (the eqn's atoms, which of them to cast, env, policy) -> the dtype
+# the selected eligible floats are cast to, or None to run on the incoming dtypes.
+CastTarget = Callable[[Sequence[Any], Sequence[bool], "Env", Policy], np.dtype | None]
+
+
+def _lower_target(atoms, floats, env, policy) -> np.dtype | None:
+  if any(
+    not casting.is_eligible(env.dtype(a)) and jnp.issubdtype(env.dtype(a), jnp.floating)
+    for a in atoms
+  ):
+    return None  # float64 operands: not eligible, as in torch
+  return policy.dtype
+
+
+def _float32_target(atoms, floats, env, policy) -> np.dtype:
+  return jnp.dtype(jnp.float32)
+
+
+def _promote_target(atoms, floats, env, policy) -> np.dtype | None:
+  strong = [
+    env.dtype(a)
+    for a, f in zip(atoms, floats, strict=True)
+    if f and not env.facts.is_weak(a, env.read(a))
+  ]
+  return casting.widest(strong) if strong else None
+
+
+def _native_target(atoms, floats, env, policy) -> None:
+  return None
+
+
+CAST_TARGETS: dict[Category, CastTarget] = {
+  Category.LOWER: _lower_target,
+  Category.FLOAT32: _float32_target,
+  Category.FLOAT32_INSIDE: _float32_target,
+  Category.PROMOTE: _promote_target,
+  Category.NATIVE: _native_target,
+  Category.FORBIDDEN: _native_target,  # raised on entering the op (``op_entry``)
+}
+
+
+def cast_inputs(
+  category: Category,
+  eqn,
+  env: Env,
+  policy: Policy,
+  select: Sequence[bool] | None = None,
+  cast_to: np.dtype | None = None,
+  saturate: Sequence[bool] | None = None,
+) -> list:
+  """The eqn's input values, the selected eligible floating ones cast as ``category`` says
+  (to ``cast_to`` whatever the category, when given); those flagged in ``saturate`` keep
+  finite values finite."""
+  atoms = eqn.invars
+  select = [True] * len(atoms) if select is None else select
+  floats = [s and casting.is_eligible(env.dtype(a)) for a, s in zip(atoms, select, strict=True)]
+  target = cast_to if cast_to is not None else CAST_TARGETS[category](atoms, floats, env, policy)
+  if target is None:
+    return [env.read(a) for a in atoms]
+  saturate = [False] * len(atoms) if saturate is None else saturate
+  return [
+    env.cast(a, target, saturate=s) if f else env.read(a)
+    for a, f, s in zip(atoms, floats, saturate, strict=True)
+  ]
+
+
+def primitive_category(eqn, policy: Policy) -> Category:
+  """The category the policy table gives the eqn's primitive (or its variant, if listed)."""
+  return policy.primitive_category(eqn.primitive, _variant(eqn))
+
+
+def _variant(eqn) -> str | None:
+  """A finer key for primitives whose torch op depends on how they are used."""
+  primitive = eqn.primitive
+  if primitive is p.div_p:
+    numerator = eqn.invars[0]
+    if not numerator.aval.shape and (compat.is_literal(numerator) or numerator.aval.weak_type):
+      return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
+  if primitive is p.dot_general_p and all(atom.aval.ndim == 1 for atom in eqn.invars):
+    return "vector"  # vector . vector: torch's dot / vdot, not mm
+  if primitive in (p.reduce_window_sum_p, p.reduce_window_max_p) and eqn.invars[0].aval.ndim == 5:
+    return "3d"  # (N, D, H, W, C) pooling: torch's avg_pool3d / max_pool3d
+  return None
+
+
+# --- rules for eqns outside op calls -------------------------------------------------------------
+
+
+def kept(eqn, env: Env, ctx: Context) -> Applied:
+  """A kept region's eqn runs as written: on its inputs in their traced dtypes."""
+  return _bind_traced(eqn, env, Ruling(Decider.KEPT))
+
+
+def traced_dtypes(eqn, env: Env, ctx: Context) -> Applied:
+  """A dtype-sensitive or unknown primitive runs on its inputs in their traced dtypes."""
+  ruling = op_ruling(env.call) if env.call is not None else Ruling(Decider.TRACED_DTYPES)
+  return _bind_traced(eqn, env, ruling)
+
+
+def _bind_traced(eqn, env: Env, ruling: Ruling) -> Applied:
+  """Binds ``eqn`` on its inputs cast back to the dtypes they had when traced."""
+  invals = [
+    env.cast(a, a.aval.dtype) if casting.is_eligible(a.aval.dtype) else env.read(a)
+    for a in eqn.invars
+  ]
+  return Applied(compat.bind(eqn, invals), ruling, invals)
+
+
+def by_category(eqn, env: Env, ctx: Context) -> Applied:
+  """Casts the eqn's inputs as its primitive's category says, and binds it natively."""
+  category = primitive_category(eqn, ctx.policy)
+  outs, ran_on = bind_native(eqn, env, cast_inputs(category, eqn, env, ctx.policy))
+  return Applied(outs, Ruling(Decider.CATEGORY, category), ran_on)
+
+
+def _convert(eqn, env: Env, ctx: Context) -> Applied:
+  """A Python scalar made concrete inside a jit (``jnp.where(x, y, 0.0)``, ``jnp.clip(x, 0)``):
+  the dtype it was traced to is its partner's, which autocast may change; it stays weak."""
+  source = eqn.invars[0]
+  if not env.facts.is_weak(source, env.read(source)):
+    return by_category(eqn, env, ctx)
+  if eqn.params["new_dtype"] == source.aval.dtype:
+    value = env.read(source)
+    return Applied([value], Ruling(Decider.WEAK_SCALAR), [value])
+  return by_category(eqn, env, ctx)
+
+
+def _add(eqn, env: Env, ctx: Context) -> Applied:
+  """``dot_or_conv(x, W) + b`` runs in the dot's low dtype, as torch's ``linear(x, W, b)``,
+  ``addmm``, ``addmv`` and ``conv`` with a bias do.
+
+  ``b`` is a bias when it is a parameter or constant (``Provenance.is_parameter``) that varies
+  along the free dims of one weight operand at most (``dataflow.is_bias_of``), as a linear or
+  conv bias varies along the output features: flax's ``Dense`` (a broadcast vector),
+  Equinox's ``Linear`` (``W @ x + b``) and ``Conv2d`` (a ``(C, 1, 1)`` bias), under ``vmap``
+  too (layout changes in between keep the dot's output). A computed addend is a residual
+  (``h + linear(x)``), and an addend with batch or sequence extent (an attention mask) is not
+  a bias: both promote, as in torch. The bias is cast saturating: a parameter or constant
+  never becomes an infinity it was not.
+  """
+  a, b = eqn.invars
+  if (
+    primitive_category(eqn, ctx.policy) is not Category.NATIVE
+    or compat.is_literal(a)
+    or compat.is_literal(b)
+  ):
+    return by_category(eqn, env, ctx)
+  facts = env.facts
+  for out, bias in ((a, b), (b, a)):
+    if (
+      out in facts.lowered
+      and facts.is_parameter(bias)
+      and dataflow.is_bias_of(facts.dims_of(out), facts.dims_of(bias))
+    ):
+      out_dtype, bias_dtype = env.dtype(out), env.dtype(bias)
+      if out_dtype != bias_dtype and casting.is_eligible(bias_dtype):
+        values = {out: env.read(out), bias: env.cast(bias, out_dtype, saturate=True)}
+        invals = [values[a], values[b]]
+        outs = weight_grads.bind_bias_add(eqn, env, invals)  # a float32 gradient sum
+        return Applied(outs, Ruling(Decider.BIAS_ADD, Category.LOWER), invals)
+  return by_category(eqn, env, ctx)
+
+
+def explicit_precision(eqn) -> bool:
+  """Whether a matmul's caller asked for more than the default precision (``precision=HIGHEST``
+  or ``HIGH``, or a dot algorithm): an explicit request, like a ``dtype=``."""
+  precision = eqn.params.get("precision")
+  if precision is None:
+    return False
+  parts = precision if isinstance(precision, tuple | list) else (precision,)
+  return any(part is not None and part != lax.Precision.DEFAULT for part in parts)
+
+
+def _matmul(eqn, env: Env, ctx: Context) -> Applied:
+  """A dot or conv with an explicit ``precision=`` runs in its traced dtypes, as the caller
+  asked (diffrax's Runge-Kutta combination uses ``precision=HIGHEST``); others by category."""
+  if explicit_precision(eqn):
+    return _bind_traced(eqn, env, Ruling(Decider.EXPLICIT_PRECISION))
+  return by_category(eqn, env, ctx)
+
+
+# Special cases outside op calls, by primitive; every other primitive is ``by_category``.
+PRIMITIVE_RULES: dict[Any, Rule] = {
+  p.convert_element_type_p: _convert,
+  p.add_p: _add,
+  **dict.fromkeys(MATMULS, _matmul),
+}
+
+
+# --- rules for eqns inside an op call ------------------------------------------------------------
+
+
+def op_entry(eqn, env: Env, ctx: Context) -> Applied:
+  """Values entering the op are cast by its category; inside, everything runs natively."""
+  return _bind_in_op(eqn, env, entering_op(eqn, env, ctx))
+
+
+def entering_op(eqn, env: Env, ctx: Context) -> list:
+  """The eqn's input values, those entering its op call (``env.call``) cast by the op's category.
+
+  A parameter or constant entering other than as a matmul operand (an attention mask added to
+  the scores) is cast saturating, so a ``finfo(float32).min`` stays finite in 16 bits.
+  """
+  call = env.call
+  entering = [not compat.is_literal(a) and env.region.get(a) != call.instance for a in eqn.invars]
+  constants = [not env.facts.is_computed(a) for a in eqn.invars]
+  return cast_inputs(
+    call.category,
+    eqn,
+    env,
+    ctx.policy,
+    select=entering,
+    cast_to=call.region.cast_to,
+    saturate=constants,
+  )
+
+
+def _bind_in_op(eqn, env: Env, invals: list) -> Applied:
+  outs, ran_on = bind_native(eqn, env, invals)
+  return Applied(outs, op_ruling(env.call), ran_on)
+
+
+def op_ruling(call: op_calls.OpCall) -> Ruling:
+  return Ruling(Decider.OP, call.category, call.region.name)
+
+
+def _convert_in_op(eqn, env: Env, ctx: Context) -> Applied:
+  """Inside a float32 op, the library's own casts (``jnp.sum``'s upcast-then-restore, an
+  identity matrix made in the input's dtype) stay in float32; the caller's explicit 16-bit
+  ``dtype=`` is kept."""
+  call, new_dtype = env.call, eqn.params["new_dtype"]
+  if (
+    call.category not in (Category.FLOAT32, Category.FLOAT32_INSIDE)
+    or call.region.cast_to is not None
+    or not casting.is_eligible(new_dtype)
+  ):
+    return op_entry(eqn, env, ctx)
+  target = new_dtype if _is_explicit_dtype(eqn, env, call.instance) else jnp.dtype(jnp.float32)
+  source = eqn.invars[0]
+  return Applied([env.cast(source, target)], op_ruling(call), [env.read(source)])
+
+
+def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
+  """Whether a cast inside a float32 op is the caller's ``dtype=``: a narrowing cast of a value
+  entering the op (``jnp.sum(x, dtype=jnp.float16)``), not the op's own restoring cast."""
+  source = eqn.invars[0]
+  if (
+    compat.is_literal(source)
+    or eqn.params["new_dtype"] not in LOW_DTYPES
+    or source.aval.dtype != jnp.float32
+  ):
+    return False
+  return env.region.get(env.facts.root(source)) != instance
+
+
+def _matmul_in_op(eqn, env: Env, ctx: Context) -> Applied:
+  """A low-precision op's own products run low too, not only what enters it; one with an
+  explicit ``precision=`` runs in its traced dtypes."""
+  call = env.call
+  if call.category is not Category.LOWER:
+    return op_entry(eqn, env, ctx)
+  if explicit_precision(eqn) and call.region.cast_to is None:
+    return _bind_traced(eqn, env, op_ruling(call))
+  invals = cast_inputs(call.category, eqn, env, ctx.policy, cast_to=call.region.cast_to)
+  return _bind_in_op(eqn, env, invals)
+
+
+def _no_16_bit_kernel_in_op(eqn, env: Env, ctx: Context) -> Applied:
+  """Linear algebra runs in float32 inside any op too (svd inside ``jnp.linalg.norm``): it has
+  no 16-bit kernel."""
+  if (
+    env.call.region.cast_to is not None
+    or primitive_category(eqn, ctx.policy) is not Category.FLOAT32
+  ):
+    return op_entry(eqn, env, ctx)
+  return _bind_in_op(eqn, env, cast_inputs(Category.FLOAT32, eqn, env, ctx.policy))
+
+
+# Special cases inside op calls, by primitive; every other primitive is ``op_entry``.
+IN_OP_RULES: dict[Any, Rule] = {
+  p.convert_element_type_p: _convert_in_op,
+  **dict.fromkeys(MATMULS, _matmul_in_op),
+  **dict.fromkeys(NO_16_BIT_KERNELS, _no_16_bit_kernel_in_op),
+}
+
+
+# --- binding -------------------------------------------------------------------------------------
+
+
+def bind_native(eqn, env: Env, invals: list) -> tuple[list, list]:
+  """Binds with inputs that were equal-typed when traced made equal again (widest wins).
+
+  Returns the outputs and the values bound on.
+  """
+  invals, rounded_to = _equalize(eqn, invals, env)
+  params = _result_type_params(eqn, invals) or dict(eqn.params)
+  combiner = COMBINER_PARAM.get(eqn.primitive)
+  if combiner and params.get(combiner) is not None:
+    operand_dtype = compat.typeof(invals[0]).dtype
+    if operand_dtype != eqn.invars[0].aval.dtype:
+      params[combiner] = _retype_combiner(
+        params[combiner], params.get("update_consts", ()), operand_dtype
+      )
+  outs = weight_grads.bind(eqn, env, invals, params)  # float32 grads of cast-down operands
+  if rounded_to is not None:
+    outs = [_round(out, rounded_to) for out in outs]
+  return outs, invals
+
+
+def _round(value, dtype: np.dtype) -> Any:
+  """A float32 result of a scalar op computed in float32, rounded to the 16-bit ``dtype``."""
+  if compat.typeof(value).dtype != jnp.float32:
+    return value  # a comparison's booleans
+  return casting.convert(value, dtype)
+
+
+def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:
+  """Inputs that were equal-typed when traced made equal again, widest winning, and the dtype
+  to round the results to where a scalar that does not fit the 16-bit dtype made the op compute
+  in float32 (``SCALAR_OPMATH``); None otherwise.
+
+  ``INDEPENDENT_OPERANDS`` do not compute with their operands together: theirs keep their dtypes.
+  """
+  if eqn.primitive in INDEPENDENT_OPERANDS:
+    return invals, None
+  rounded_to = None
+  groups: dict[np.dtype, list[int]] = {}
+  for i, atom in enumerate(eqn.invars):
+    traced = atom.aval.dtype
+    if casting.is_eligible(traced) and casting.is_eligible(compat.typeof(invals[i]).dtype):
+      groups.setdefault(traced, []).append(i)
+  invals = list(invals)
+  for members in groups.values():
+    dtypes = {compat.typeof(invals[i]).dtype for i in members}
+    if len(dtypes) < 2:
+      continue
+    weak = {i: env.facts.is_weak(eqn.invars[i], invals[i]) for i in members}
+    refs = [compat.typeof(invals[i]).dtype for i in members if compat.is_ref(invals[i])]
+    strong = [compat.typeof(invals[i]).dtype for i in members if not weak[i]]
+    # A Ref keeps its dtype: what is stored into it is cast instead.
+    target = refs[0] if refs else casting.widest(strong or sorted(dtypes, key=str))
+    if target in LOW_DTYPES and eqn.primitive in SCALAR_OPMATH:
+      if not all(_fits(eqn.invars[i], invals[i], env, target) for i in members if weak[i]):
+        rounded_to, target = target, jnp.dtype(jnp.float32)
+    for i in members:
+      if compat.typeof(invals[i]).dtype == target:
+        continue
+      atom = eqn.invars[i]
+      if not compat.is_literal(atom) and invals[i] is env.read(atom):
+        invals[i] = env.cast(atom, target)  # cached, and a fill is made in the target dtype
+      else:
+        saturate = env.facts.saturates(atom, invals[i])
+        invals[i] = env.casts.convert(invals[i], target, saturate=saturate)
+  return invals, rounded_to
+
+
+def _fits(atom, value, env: Env, dtype: np.dtype) -> bool:
+  """Whether a scalar operand known while tracing keeps its magnitude in ``dtype`` (one not
+  known, a traced scalar, is taken to fit: it saturates as a fill does)."""
+  constant = env.facts.constant(atom)
+  if constant is None and not atom.aval.shape and not isinstance(value, jax.core.Tracer):
+    constant = value  # a closed-over rank-0 array
+  return constant is None or casting.fits(constant, dtype)
+
+
+def _result_type_params(eqn, invals) -> dict | None:
+  """dot/conv params whose result dtype follows the new inputs, unless the caller fixed it.
+
+  ``preferred_element_type`` equal to the traced inputs' dtype is JAX's default and follows the
+  inputs; any other value was chosen explicitly and is kept.
+  """
+  if eqn.primitive not in MATMULS:
+    return None
+  preferred = eqn.params.get("preferred_element_type")
+  traced_inputs = casting.widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
+  new_inputs = casting.widest([compat.typeof(v).dtype for v in invals])
+  if preferred is None or jnp.dtype(preferred) != traced_inputs or new_inputs == traced_inputs:
+    return None
+  return dict(eqn.params, preferred_element_type=new_inputs)
+
+
+def _retype_combiner(jaxpr, consts, dtype) -> Any:
+  """A scalar combiner jaxpr (e.g. scatter-add's ``add``) re-traced for ``dtype`` operands."""
+  closed = compat.ClosedJaxpr(jaxpr, list(consts))
+  avals = [compat.aval_with_dtype(v.aval, dtype) for v in jaxpr.invars]
+  return compat.trace(compat.jaxpr_as_fun(closed), avals).jaxpr
+
+
+# --- higher-order rules, the rule set, and the facts recorded after each eqn ----------------------
+
+# A body rule (``higher_order.py``): (eqn, its input values, Env, Context) -> its outputs, with
+# its bodies rewritten by the interpreter under ``ctx``.
+BodyRule = Callable[[Any, list, Env, Context], list]
+
+
+def rewriting(body_rule: BodyRule) -> Rule:
+  """The rule of a higher-order primitive: ``body_rule`` on the values entering it; inside an
+  op call, those are cast by the op's category and the bodies run natively, as the op's."""
+
+  def rule(eqn, env: Env, ctx: Context) -> Applied:
+    if env.call is None:
+      invals = [env.read(a) for a in eqn.invars]
+      return Applied(body_rule(eqn, invals, env, ctx), Ruling(Decider.HIGHER_ORDER), invals)
+    invals = entering_op(eqn, env, ctx)
+    outs = body_rule(eqn, invals, env, ctx._replace(op=env.call.region))
+    return Applied(outs, op_ruling(env.call), invals)
+
+  return rule
+
+
+def rule_set(body_rules: Mapping[Any, BodyRule]) -> RuleSet:
+  """The rules of this module with ``body_rules`` for the higher-order primitives."""
+  return RuleSet(
+    kept=kept,
+    higher_order={primitive: rewriting(rule) for primitive, rule in body_rules.items()},
+    keeps_dtypes=keeps_dtypes,
+    traced_dtypes=traced_dtypes,
+    outside=PRIMITIVE_RULES,
+    by_category=by_category,
+    inside=IN_OP_RULES,
+    op_entry=op_entry,
+  )
+
+
+def record_facts(eqn, env: Env, applied: Applied) -> None:
+  """What ``eqn``'s evaluation tells about its outputs, recorded once it is bound: where they
+  come from, that a low-precision matmul's output stays low under a bias add, and that a layout
+  change or a no-op convert of a weak scalar is weak."""
+  facts, ruling = env.facts, applied.ruling
+  if ruling.rule is Decider.CATEGORY and ruling.category is Category.LOWER:
+    if eqn.primitive in MATMULS:
+      facts.note_matmul(eqn)
+  if ruling.rule in (Decider.CATEGORY, Decider.WEAK_SCALAR):
+    facts.note_weak_flow(eqn)
+    if eqn.primitive is p.convert_element_type_p:
+      source = eqn.invars[0]
+      if facts.is_weak(source, env.read(source)):
+        facts.weak.update(eqn.outvars)
+  facts.note(eqn)

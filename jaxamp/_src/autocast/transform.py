@@ -1,0 +1,446 @@
+"""``jaxamp.autocast``: torch.amp's autocast as a JAX function transformation.
+
+``autocast(f)`` traces ``f`` to a jaxpr once per input signature (array types plus the values of
+non-array arguments such as ``train=True``) and evaluates that jaxpr with the autocast
+interpreter in the caller's trace, so it composes with ``jit``, ``grad``, ``vmap`` and the rest
+in either order. The eqns it emits carry a *kept* mark: an enclosing autocast leaves them alone,
+so an inner ``autocast(g, dtype=...)`` region keeps its own dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._src import caches, compat
+from jaxamp._src.autocast import context, higher_order, interpreter, regions
+from jaxamp._src.integrations import nnx_modules
+from jaxamp._src.policies import policy
+from jaxamp._src.policies.table import ELIGIBLE_DTYPES
+
+_TRACE_CACHE_SIZE = 512
+# Traces by function and signature. The function, a bound method's instance and static
+# arguments are held weakly: a trace (and the arrays it closes over) goes with them.
+_traces = caches.weak_lru_cache("autocast.traces", _TRACE_CACHE_SIZE)
+
+
+def autocast(
+  fun: Callable | str | None = None,
+  device_type: str | None = None,
+  *,
+  dtype=None,
+  enabled: bool = True,
+  cache_enabled: bool = True,
+) -> Callable:
+  """Runs ``fun`` with torch.amp's autocast policy for ``device_type``.
+
+  Usable as a transform, ``autocast(f, device_type="cuda")`` or ``autocast(f, "cuda")``, and as a
+  decorator, ``@autocast(device_type="cpu")`` or torch's spelling ``@autocast("cpu")`` (a device
+  type first). Not a context manager: ``with autocast(...):`` raises a ``TypeError``.
+
+  Args:
+    fun: the function to transform; its arguments are pytrees of arrays and static values. A
+      device-type string here (torch's first argument) makes ``autocast`` return a decorator.
+    device_type: which policy, with its default ``dtype``: "cuda" (also "gpu", "rocm") float16,
+      "xpu" float16, "cpu" bfloat16, "tpu" bfloat16. None picks the device type of
+      ``jax.default_backend()``.
+    dtype: the lower-precision dtype, ``jnp.float16`` or ``jnp.bfloat16``; None: the device
+      type's default.
+    enabled: False runs ``fun`` as written, also inside an enclosing autocast function.
+    cache_enabled: cast each value to a dtype at most once per trace (torch's weight cast cache).
+
+  Returns:
+    A function with ``fun``'s signature whose outputs have the dtypes the policy produced,
+    except state threaded through (an ``eqx.nn.State``, linen collections, Haiku state, nnx
+    Variables), which keeps the dtype it came in with. Every output computed from the traced
+    arrays, constants and inputs returned as they are included, is a ``jax.Array``, eagerly too;
+    static values ``fun`` returns (Python numbers, strings) come back as they are.
+
+    For a module, an nnx Module or a pytree holding arrays (an Equinox module), an
+    ``AutocastModule``: a pytree whose one child is the module, which calls it with the module
+    passed as an argument. Its arrays stay leaves of any model it is put into, so
+    ``eqx.tree_at(lambda m: m.mlp, model, autocast(model.mlp))`` keeps them trainable (gradients,
+    optimizers, ``eqx.filter``), and an nnx module's state updates (BatchNorm statistics, RNG
+    counters) are written back to it. Its other attributes are the module's.
+  """
+  if isinstance(fun, str):  # torch's spelling, autocast("cuda"): the device type comes first
+    if device_type is not None and device_type != fun:
+      raise TypeError(
+        f"autocast got two device types, {fun!r} (positional) and device_type={device_type!r}; "
+        "pass one."
+      )
+    fun, device_type = None, fun
+  amp_policy = policy.make_policy(device_type, dtype, cache_enabled)
+  if not isinstance(enabled, bool):
+    raise TypeError(f"`enabled` must be a bool; got {enabled!r}.")
+  if fun is None:
+    return _AutocastDecorator(
+      dict(device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    )
+  if not callable(fun):
+    raise TypeError(f"autocast transforms a callable; got {fun!r} of type {type(fun).__name__}.")
+  return _wrap(fun, amp_policy if enabled else None)
+
+
+class _AutocastDecorator:
+  """``autocast(device_type=...)`` without a function: a decorator, not a context manager.
+
+  torch's ``with torch.autocast(...):`` switches a global mode on for a block of eager code; JAX
+  traces functions, so jaxamp's autocast transforms a function. ``with`` raises a ``TypeError``
+  that shows the two spellings.
+  """
+
+  def __init__(self, options: dict[str, Any]):
+    self._options = options
+
+  def __call__(self, fun: Callable) -> Callable:
+    if isinstance(fun, str):  # a decorator applies to a function, not to a device type
+      raise TypeError(f"autocast transforms a callable; got {fun!r} of type str.")
+    return autocast(fun, **self._options)
+
+  def __repr__(self) -> str:
+    options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
+    return f"jaxamp.autocast({options})"
+
+  def __enter__(self):
+    device = f'device_type="{self._options["device_type"] or "cuda"}"'
+    raise TypeError(
+      "jaxamp.autocast is a function transformation, not a context manager: JAX traces "
+      "functions, so autocast rewrites a function instead of switching a mode on for a block. "
+      f"Wrap the function, `jaxamp.autocast(f, {device})(*args)`, or decorate it, "
+      f"`@jaxamp.autocast({device})`. The one context manager is `jaxamp.autocast_disabled()`: "
+      "inside an autocast function its block runs as written (torch's "
+      "`autocast(enabled=False)`)."
+    )
+
+  def __exit__(self, *exc_info) -> bool:
+    return False
+
+
+def _wrap(fun: Callable, amp_policy: policy.Policy | None) -> Callable:
+  if nnx_modules.is_module(fun) or _has_array_leaves(fun):
+    nnx_modules.register_data_type(AutocastModule)  # an nnx Module may hold it as an attribute
+    return AutocastModule(fun, amp_policy)
+
+  @functools.wraps(fun)
+  def autocast_fun(*args, **kwargs):
+    return _run(fun, amp_policy, args, kwargs)
+
+  return autocast_fun
+
+
+def _run(fun: Callable, amp_policy: policy.Policy | None, args: tuple, kwargs: dict) -> Any:
+  """``fun(*args, **kwargs)`` in a kept region, autocast with ``amp_policy`` (None: as written)."""
+  with regions.kept_region(regions.AUTOCAST_MARK):
+    if amp_policy is None:
+      return fun(*args, **kwargs)
+    if nnx_modules.contains_modules((args, kwargs)):
+      run = lambda pure_fun, a, k: call(pure_fun, amp_policy, a, k)
+      return nnx_modules.call_keeping_state(run, fun, args, kwargs)
+    return call(fun, amp_policy, args, kwargs)
+
+
+def _has_array_leaves(fun: Any) -> bool:
+  """Whether ``fun`` is a pytree holding arrays (an Equinox module, an Equinox bound method).
+
+  Functions, bound methods, ``functools.partial`` objects and jitted functions are pytree leaves
+  themselves, so they are not.
+  """
+  return any(is_array(leaf) for leaf in jax.tree.leaves(fun))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class AutocastModule:
+  """``autocast(module)`` for a module that is a pytree: a pytree with the module as its child.
+
+  Calling it runs ``module(*args, **kwargs)`` with the module passed to the autocast function as
+  an argument, so its arrays are traced inputs rather than closure constants. As a pytree node it
+  keeps them as leaves where the module stood: ``eqx.tree_at(lambda m: m.mlp, model,
+  autocast(model.mlp))`` leaves them visible to ``jax.grad``, ``eqx.filter``/``partition`` and
+  optimizers, and rebuilds around the new leaves that ``jax.tree.map`` or ``apply_updates`` give
+  it. An nnx module's state updates go back into it, as for any nnx module argument. Other
+  attributes are read from the module (``wrapper.layers`` is ``module.layers``).
+  """
+
+  __wrapped__: Any
+  _policy: policy.Policy | None
+
+  def __init__(self, module: Any, amp_policy: policy.Policy | None):
+    self.__wrapped__ = module
+    self._policy = amp_policy
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return _run(nnx_modules.call_module, self._policy, (self.__wrapped__, *args), kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith("__") and name.endswith("__"):  # no copy/pickle protocol lookups
+      raise AttributeError(name)
+    return getattr(object.__getattribute__(self, "__wrapped__"), name)
+
+  def __repr__(self) -> str:
+    amp_policy = self._policy
+    if amp_policy is None:
+      return f"jaxamp.autocast({self.__wrapped__!r}, enabled=False)"
+    return (
+      f"jaxamp.autocast({self.__wrapped__!r}, device_type={amp_policy.device_type!r}, "
+      f"dtype={amp_policy.dtype.name})"
+    )
+
+  def tree_flatten_with_keys(self) -> tuple[tuple, policy.Policy | None]:
+    return ((jax.tree_util.GetAttrKey("__wrapped__"), self.__wrapped__),), self._policy
+
+  @classmethod
+  def tree_unflatten(cls, amp_policy: policy.Policy | None, children: tuple) -> AutocastModule:
+    return cls(children[0], amp_policy)
+
+
+def is_array(x: Any) -> bool:
+  return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+class Traced(NamedTuple):
+  """``fun``'s jaxpr for some arguments, and how its inputs and outputs map to pytrees.
+
+  Attributes:
+    jaxpr: the closed jaxpr, taking the array arguments.
+    arrays: the array leaves of the arguments, in order.
+    in_tree: the treedef of ``(args, kwargs)``.
+    dynamic: the positions of the array leaves among the argument leaves.
+    in_avals: the avals of ``arrays``.
+    out_tree: the treedef of the outputs.
+    static_outs: the output leaves, ``_TRACED`` where a jaxpr output goes.
+    state_outputs: ``(jaxpr output index, traced dtype)`` of the outputs that are threaded
+      state (``_state_outputs``).
+  """
+
+  jaxpr: compat.ClosedJaxpr
+  arrays: list
+  in_tree: Any
+  dynamic: tuple
+  in_avals: tuple
+  out_tree: Any
+  static_outs: list
+  state_outputs: tuple[tuple[int, Any], ...]
+
+
+def trace(fun: Callable, args: tuple, kwargs: dict) -> Traced:
+  """``fun`` traced for ``args`` and ``kwargs``: arrays abstracted, other leaves static (cached
+  per signature, see ``_trace``)."""
+  leaves, in_tree = jax.tree.flatten((args, kwargs))
+  dynamic = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
+  static = tuple((i, leaf) for i, leaf in enumerate(leaves) if not is_array(leaf))
+  arrays = [leaves[i] for i in dynamic]
+  in_avals = tuple(compat.typeof(x) for x in arrays)
+  closed, out_tree, static_outs, state_outputs = _trace(fun, in_tree, dynamic, static, in_avals)
+  return Traced(closed, arrays, in_tree, dynamic, in_avals, out_tree, static_outs, state_outputs)
+
+
+def call(fun: Callable, amp_policy: policy.Policy, args: tuple, kwargs: dict) -> Any:
+  """Calls ``fun`` on ``args`` and ``kwargs`` under ``amp_policy``.
+
+  Outputs leave in the dtype the policy produced, except state threaded through (see
+  ``_state_outputs``), which leaves in its traced dtype.
+  """
+  traced = trace(fun, args, kwargs)
+  closed = traced.jaxpr
+  ctx = context.Context(amp_policy, higher_order.RULES)
+  outs = interpreter.evaluate(closed.jaxpr, closed.consts, traced.arrays, ctx)
+  for i, dtype in traced.state_outputs:
+    if getattr(outs[i], "dtype", None) != dtype:
+      outs[i] = jax.lax.convert_element_type(outs[i], dtype)
+  outs = iter(map(_as_array, outs, closed.out_avals))
+  return jax.tree.unflatten(
+    traced.out_tree, [next(outs) if leaf is _TRACED else leaf for leaf in traced.static_outs]
+  )
+
+
+def _as_array(value: Any, aval: Any) -> jax.Array:
+  """A jaxpr output as a ``jax.Array``: of the dtype it has, else (a Python scalar) its traced one.
+
+  A literal output (``jnp.array(True)``, ``jnp.zeros(())``) evaluates to a Python or numpy
+  constant and an input returned as it is to whatever was passed (a numpy array); as arrays they
+  stay dynamic for ``eqx.filter_jit`` and the like, which would make a Python ``bool`` static and
+  retrace on it.
+  """
+  if isinstance(value, jax.Array):
+    return value
+  array = jnp.asarray(value)  # a numpy value keeps its dtype, a Python scalar its weak type
+  if hasattr(value, "dtype") or array.dtype == aval.dtype:
+    return array
+  return jnp.asarray(value, aval.dtype)
+
+
+def _subtrees(treedef, offset: int = 0):
+  """``(treedef, first leaf index)`` of ``treedef`` and of every node below it."""
+  yield treedef, offset
+  for child in treedef.children():
+    yield from _subtrees(child, offset)
+    offset += child.num_leaves
+
+
+def _state_outputs(
+  in_tree, dynamic: tuple, in_avals: tuple, out_tree, traced: tuple, out_avals: tuple
+) -> tuple[tuple[int, Any], ...]:
+  """``(jaxpr output index, traced dtype)`` of each floating output leaf that is threaded state.
+
+  torch updates state in place (``copy_``), so buffers keep their dtype; in JAX state goes in as
+  an argument and comes back as an output. An output is taken to be such state when it sits in
+  an output container (an ``eqx.nn.State``, Haiku state or linen collection dict, an
+  ``nnx.State`` or Variable) that has exactly the pytree structure of a container inside one of
+  the arguments, leaf shapes included: the ``state`` of ``(out, state)`` from
+  ``model(x, state)``, the ``batch_stats`` of ``apply(variables, ..., mutable=...)``. Such
+  leaves get the dtype the function gives them without autocast, so the next call (or a float32
+  one) sees the state it expects. Bare arrays and plain tuples and lists (how functions return
+  several results, an LSTM its carry) never count: activations, logits and losses keep the dtype
+  the policy produced, as torch's outputs do.
+  """
+  in_pos = {leaf: k for k, leaf in enumerate(dynamic)}
+  out_pos = list(itertools.accumulate(traced, initial=0))
+  arguments = [arg for group in in_tree.children() for arg in group.children()]
+  containers: dict[Any, list[int]] = {}
+  offset = 0
+  for arg in arguments:
+    for node, start in _subtrees(arg, offset):
+      if node.num_leaves and _is_state_container(node):
+        containers.setdefault(node, []).append(start)
+    offset += arg.num_leaves
+  found = {}
+  for node, start in _subtrees(out_tree):
+    for in_start in containers.get(node, ()):
+      pairs = [(start + j, in_start + j) for j in range(node.num_leaves)]
+      if all(
+        traced[o] and i in in_pos and out_avals[out_pos[o]].shape == in_avals[in_pos[i]].shape
+        for o, i in pairs
+      ):
+        found.update((out_pos[o], out_avals[out_pos[o]].dtype) for o, _ in pairs)
+        break
+  return tuple((k, dtype) for k, dtype in sorted(found.items()) if dtype in ELIGIBLE_DTYPES)
+
+
+def _is_state_container(treedef) -> bool:
+  """Whether a pytree node can hold state: any container but a plain tuple or list."""
+  data = treedef.node_data()
+  return data is not None and data[0] not in (tuple, list)
+
+
+_TRACED = object()  # marks the outputs that come from the jaxpr
+
+
+def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
+  """``fun``'s jaxpr for this signature: traced once, reused while nothing it closes over traces."""
+  try:
+    key = (
+      caches.key_part(fun),
+      in_tree,
+      dynamic,
+      tuple((i, caches.key_part(leaf)) for i, leaf in static),
+      in_avals,
+    )
+    hash(key)
+  except TypeError:
+    key = None  # an unhashable function or static argument: trace every call
+  if key is not None:
+    hit = _traces.get(key)
+    if hit is not None:
+      return hit
+  out_tree_box = []
+
+  def flat_fun(*arrays):
+    leaves = [None] * (len(arrays) + len(static))
+    for i, x in zip(dynamic, arrays, strict=True):
+      leaves[i] = x
+    for i, x in static:
+      leaves[i] = x
+    args, kwargs = jax.tree.unflatten(in_tree, leaves)
+    out = fun(*args, **kwargs)
+    out_leaves, out_tree = jax.tree.flatten(out)
+    # Outputs that are not traced values (strings, Python numbers, numpy constants) are returned
+    # as they are, like the static arguments.
+    traced = [isinstance(leaf, jax.core.Tracer) for leaf in out_leaves]
+    out_tree_box.append(
+      (out_tree, [_TRACED if t else leaf for leaf, t in zip(out_leaves, traced, strict=True)])
+    )
+    return [leaf for leaf, t in zip(out_leaves, traced, strict=True) if t]
+
+  closed = compat.trace(flat_fun, in_avals)
+  out_tree, static_outs = out_tree_box[0]
+  is_traced = tuple(leaf is _TRACED for leaf in static_outs)
+  state_outputs = _state_outputs(
+    in_tree, dynamic, in_avals, out_tree, is_traced, tuple(closed.out_avals)
+  )
+  result = (closed, out_tree, static_outs, state_outputs)
+  if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+    _traces.put(key, result)
+  return result
+
+
+def custom_fwd(
+  fun: Callable | None = None, *, device_type: str | None = None, cast_inputs=None
+) -> Callable:
+  """torch.amp.custom_fwd for the forward function of a ``jax.custom_vjp``.
+
+  With ``cast_inputs`` (a float dtype), inside an autocast function the floating inputs are cast
+  to it and the function body runs with autocast disabled; outside autocast nothing changes.
+  Decorating a custom_vjp's ``fwd`` rule (torch's spelling) or its primal (JAX's) makes the whole
+  custom_vjp that region: primal and ``fwd`` run on the cast inputs with autocast off, and a
+  ``custom_bwd`` backward runs with autocast off too, as torch's does. Without ``cast_inputs``,
+  the body is autocast like any other code.
+  """
+  if device_type is not None:
+    policy.get_table(device_type)  # torch's signature; validated, the cast applies everywhere
+  if fun is None:
+    return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+  if _is_dtype(fun):
+    raise TypeError(
+      f"custom_fwd takes the dtype as a keyword: custom_fwd(cast_inputs={fun!r}); "
+      "its positional argument is the function to decorate."
+    )
+  if not callable(fun):
+    raise TypeError(f"custom_fwd decorates a callable; got {fun!r}.")
+  if cast_inputs is None:
+    return fun
+  target = policy.canonical_cast_dtype(cast_inputs)
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    with regions.op_region(regions.custom_fwd_name(target)):
+      return fun(*args, **kwargs)
+
+  return wrapped
+
+
+def _is_dtype(x: Any) -> bool:
+  """A dtype or scalar type (np.float32, jnp.bfloat16), not a function to decorate."""
+  if isinstance(x, np.dtype) or isinstance(x, type) and issubclass(x, np.generic):
+    return True
+  return isinstance(getattr(x, "dtype", None), np.dtype) and not hasattr(x, "shape")
+
+
+def custom_bwd(fun: Callable | None = None, *, device_type: str | None = None) -> Callable:
+  """torch.amp.custom_bwd for the backward function of a ``jax.custom_vjp``.
+
+  The backward runs under the autocast state its forward ran under: the forward's policy, or
+  autocast off after a ``custom_fwd(cast_inputs=...)`` forward (undecorated, a custom_vjp's
+  backward runs in the dtypes of its residuals and cotangents, as torch runs backward passes).
+  """
+  if device_type is not None:
+    policy.get_table(device_type)  # torch's signature; the forward's policy is used
+  if fun is None and device_type is not None:
+    return functools.partial(custom_bwd, device_type=device_type)
+  if not callable(fun):
+    raise TypeError(f"custom_bwd decorates a callable; got {fun!r}.")
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    amp_policy = higher_order.backward_policy()
+    if amp_policy is None:
+      return fun(*args, **kwargs)
+    return call(fun, amp_policy, args, kwargs)
+
+  return wrapped

@@ -1,0 +1,366 @@
+"""Float32 gradients for the float32 values autocast casts down (issue #22, point 7).
+
+autocast runs a matmul of a float32 parameter ``W`` as ``dot(x16, convert(W, float16))``. JAX
+transposes that in float16: the weight gradient ``dot(g, x)`` comes out in float16, and only then
+is converted to float32. Under data parallelism XLA all-reduces the per-device partial sums of
+``dW`` before that convert, in float16: precision is lost and, at a loss scale of 2**16 over
+many devices, the sum overflows, so the scaler skips a good step. torch's DDP reduces the float32
+``param.grad``. A bias added in float16 has the same problem: its gradient is a float16 sum over
+the batch.
+
+So an eqn with an operand autocast cast down from float32 is bound through a ``jax.custom_jvp``
+(``bind``): its primal is the eqn exactly as before (same values, and the same ``dot_general``
+that remat policies look for); its tangent in the cast operand is taken from the float32 value:
+
+* for a matmul, ``cast_tangent_p(other, t)``: evaluated as before (``t`` cast down, the 16-bit
+  matmul), but transposed to the matmul of the 16-bit cotangent and operand with
+  ``preferred_element_type=float32``, so tensor cores still run it and ``dW`` is not rounded to
+  16 bits before it is reduced;
+* for an add (a bias), the float32 tangent broadcast before its cast, so the sum over the batch
+  that transposes the broadcast is float32.
+
+On XLA:CPU (a ``lax.platform_dependent`` branch) a bfloat16 weight gradient keeps its 16-bit
+result: XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot, and widens bfloat16
+all-reduces to float32 itself. There, too, the dot's output passes through an optimization
+barrier before it is transposed (``unfolded_p``), which XLA:CPU would fold into a 2x slower
+dot. ``disabled()`` turns all of this off: tests and benchmarks compare with the old behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxamp._src import caches, compat
+from jaxamp._src.autocast.context import Env
+from jaxamp._src.policies.table import LOW_DTYPES
+
+p = compat.primitives
+FLOAT32 = jnp.dtype(jnp.float32)
+MATMULS = frozenset({p.dot_general_p, p.conv_general_dilated_p})
+SymbolicZero = jax.custom_derivatives.SymbolicZero
+
+_enabled = True
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+  """Within the block, cast-down operands get 16-bit gradients, as before this module.
+
+  Only for comparisons (tests, benchmarks): clear jaxamp's and JAX's caches around it, since
+  traces made in it are cached like any other.
+  """
+  global _enabled
+  previous, _enabled = _enabled, False
+  try:
+    yield
+  finally:
+    _enabled = previous
+
+
+def cast_down(eqn, env: Env, invals: Sequence[Any]) -> list[Any | None]:
+  """Per input of ``eqn``: its float32 value where autocast cast it to a 16-bit dtype for this
+  eqn (``invals`` are the values it is bound on), else None."""
+  return [
+    env.read(atom)
+    if not compat.is_literal(atom)
+    and env.dtype(atom) == FLOAT32
+    and compat.typeof(value).dtype in LOW_DTYPES
+    else None
+    for atom, value in zip(eqn.invars, invals, strict=True)
+  ]
+
+
+def bind(eqn, env: Env, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
+  """``compat.bind(eqn, invals, params)``; a matmul (dot_general, conv) some of whose inputs
+  autocast cast down from float32 goes through ``jax.custom_jvp``, so that those inputs get
+  float32 gradients from a float32-output matmul."""
+  if eqn.primitive not in MATMULS:
+    return compat.bind(eqn, invals, params)
+  return _bind(eqn, env, invals, params)
+
+
+def bind_bias_add(eqn, env: Env, invals: Sequence[Any]) -> list[Any]:
+  """``compat.bind(eqn, invals)`` for the add of a bias cast down from float32 to a matmul's
+  output: the bias's gradient, a sum over the batch, is then taken in float32."""
+  return _bind(eqn, env, invals, None)
+
+
+def _bind(eqn, env: Env, invals: Sequence[Any], params: dict | None) -> list[Any]:
+  if not _enabled:
+    return compat.bind(eqn, invals, params)
+  highs = cast_down(eqn, env, invals)
+  if not any(isinstance(high, jax.core.Tracer) for high in highs):
+    return compat.bind(eqn, invals, params)  # nothing can be differentiated
+  params = dict(eqn.params if params is None else params)
+  cast = tuple(high is not None for high in highs)
+  args = [*invals, *[high for high in highs if high is not None]]
+  key = _key(eqn.primitive, params, cast)
+  if key is None:
+    fun = _custom_jvp(eqn.primitive, params, cast)
+  else:
+    fun = _cached_custom_jvp(key)
+    if compat.linearizing(args):  # linearized once per signature, as compat.bind does
+      fun = compat.staged(("weight_grads", key), lambda: fun)
+  return [compat.bind_like(eqn, fun, args)]
+
+
+def _key(primitive, params: dict, cast: tuple[bool, ...]) -> Hashable | None:
+  key = (primitive, tuple(sorted(params.items())), cast)
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+@caches.lru_cache("weight_grads.custom_jvps", maxsize=1024)
+def _cached_custom_jvp(key: tuple) -> Callable[..., Any]:
+  primitive, params, cast = key
+  return _custom_jvp(primitive, dict(params), cast)
+
+
+def _custom_jvp(primitive, params: dict, cast: tuple[bool, ...]) -> Callable[..., Any]:
+  """``primitive`` on its (16-bit) inputs, then the float32 values of the ``cast`` ones, which
+  only its JVP reads: their tangent terms come from them, not from the 16-bit copies."""
+  n = len(cast)
+
+  @jax.custom_jvp
+  def float32_gradients(*args):
+    return primitive.bind(*args[:n], **params)
+
+  def float32_gradients_jvp(primals, tangents):
+    lows = primals[:n]
+    out = primitive.bind(*lows, **params)
+    highs = iter(tangents[n:])
+    chosen = [next(highs) if is_cast else tangents[i] for i, is_cast in enumerate(cast)]
+    chosen = [None if isinstance(t, SymbolicZero) else t for t in chosen]
+    if all(t is None for t in chosen):
+      return out, SymbolicZero.from_primal_value(out)
+    return out, _TANGENTS[primitive](primitive, params, lows, chosen, cast, out)
+
+  float32_gradients.defjvp(float32_gradients_jvp, symbolic_zeros=True)
+  return float32_gradients
+
+
+# --- tangents: (primitive, params, 16-bit inputs, tangents (None: zero), cast?, output) ---------
+
+
+def _matmul_tangent(primitive, params: dict, lows, tangents, cast, out) -> Any:
+  """A matmul is bilinear: the term of input ``i`` is the matmul with its tangent in its place;
+  for a cast input, ``cast_tangent_p``, which transposes to a float32-output matmul."""
+  terms = []
+  for i, (tangent, is_cast) in enumerate(zip(tangents, cast, strict=True)):
+    if tangent is None:
+      continue
+    if is_cast:
+      low = compat.typeof(lows[i]).dtype
+      frozen = _freeze(params)
+      terms.append(
+        cast_tangent_p.bind(
+          lows[1 - i], tangent, matmul=primitive, params=frozen, position=i, low=low
+        )
+      )
+    else:
+      terms.append(primitive.bind(*_placed(lows[1 - i], tangent, i), **params))
+  return functools.reduce(lax.add, terms)
+
+
+def _add_tangent(primitive, params: dict, lows, tangents, cast, out) -> Any:
+  """The tangents broadcast to the output and added; a cast input's broadcast in float32 before
+  its cast, so that the sum transposing the broadcast (a bias's gradient) is float32.
+
+  Under ``vmap`` with an unbatched bias the batch axis is broadcast too, after the cast: there
+  the sum is taken in float32 and cast once (the other input's 16-bit cotangent round-trips
+  through float32 exactly)."""
+  out_type = compat.typeof(out)
+  given = [(t, c) for t, c in zip(tangents, cast, strict=True) if t is not None]
+  unbatched = any(c and not compat.traced_now(t) for t, c in given)
+  terms = [(_broadcast(t, out_type.shape), c) for t, c in given]
+  if unbatched and compat.traced_now(out):
+    wide = [lax.convert_element_type(t, FLOAT32) for t, _ in terms]
+    return lax.convert_element_type(functools.reduce(lax.add, wide), out_type.dtype)
+  low = [lax.convert_element_type(t, out_type.dtype) if c else t for t, c in terms]
+  return functools.reduce(lax.add, low)
+
+
+def _broadcast(tangent, shape) -> Any:
+  if tangent.shape == shape:
+    return tangent
+  dims = tuple(range(len(shape) - tangent.ndim, len(shape)))
+  return lax.broadcast_in_dim(tangent, shape, dims)
+
+
+_TANGENTS: dict[Any, Callable[..., Any]] = {
+  p.dot_general_p: _matmul_tangent,
+  p.conv_general_dilated_p: _matmul_tangent,
+  p.add_p: _add_tangent,
+}
+
+
+def _placed(other, operand, position: int) -> tuple[Any, Any]:
+  """The two operands of a matmul, ``operand`` at ``position`` and ``other`` at the other."""
+  return (operand, other) if position == 0 else (other, operand)
+
+
+def _freeze(params: dict) -> tuple:
+  return tuple(sorted(params.items()))
+
+
+# --- cast_tangent_p: a matmul's tangent in a cast-down operand -----------------------------------
+# Parameters: matmul (dot_general_p or conv_general_dilated_p), params (its frozen params),
+# position (of the cast operand), low (its 16-bit dtype). Operands: (other, tangent): the other
+# operand (16-bit) and the float32 tangent of the cast one.
+
+
+def _cast_tangent(other, tangent, *, matmul, params, position, low) -> Any:
+  """The tangent as JAX computes it without this module: cast down, then the 16-bit matmul."""
+  low_tangent = lax.convert_element_type(tangent, low)
+  return matmul.bind(*_placed(other, low_tangent, position), **dict(params))
+
+
+def _cast_tangent_type(other, tangent, *, matmul, params, position, low) -> Any:
+  out, _ = matmul.abstract_eval(
+    *_placed(other, compat.aval_with_dtype(tangent, low), position), **dict(params)
+  )
+  return out
+
+
+def _transpose_other(ct, other, tangent, *, matmul, params, position, low) -> Any:
+  """The cotangent of the other (16-bit) operand: as for the plain matmul."""
+  operands = _placed(other, lax.convert_element_type(tangent, low), position)
+  return compat.bilinear_transpose(matmul, ct, operands, 1 - position, dict(params))
+
+
+def _transpose_tangent(ct, other, tangent, *, matmul, params, position, low) -> Any:
+  """The float32 cotangent of the cast operand: the matmul of the 16-bit cotangent and operand,
+  with a float32 result (JAX's transpose of the matmul with ``preferred_element_type``)."""
+
+  def transposed(ct, other, result_dtype=FLOAT32):
+    return _transposed(matmul, params, position, result_dtype, ct, other, tangent)
+
+  if matmul is not p.dot_general_p:
+    return transposed(ct, other)
+
+  def unfolded(ct, other, result_dtype=FLOAT32):
+    closed, outputs = _unfolded_transpose(
+      matmul, params, position, result_dtype, _aval_key(ct), _aval_key(other), _aval_key(tangent)
+    )
+    return _evaluate(closed, (ct, other, None), outputs)
+
+  if any(_explicitly_sharded(x) for x in (ct, other, tangent)):
+    unfolded = transposed  # the cached transpose is typed without shardings: JAX's own
+  if low != jnp.bfloat16:
+    return unfolded(ct, other)
+  # On XLA:CPU, a bfloat16 weight gradient keeps its 16-bit result: XLA:CPU cannot run every
+  # bfloat16 x bfloat16 -> float32 dot (YNNPACK takes some, its fallback none), and widens
+  # bfloat16 all-reduces to float32 itself.
+  cpu = functools.partial(unfolded, result_dtype=dict(params)["preferred_element_type"])
+  return lax.platform_dependent(ct, other, cpu=cpu, default=unfolded)
+
+
+# The identity, lowered for XLA:CPU as an optimization barrier: XLA:CPU folds a transpose of a
+# dot's output into the dot, whose operands then contract along their leading dims, and YNNPACK
+# does not take that dot: its fallback runs a weight gradient 2x slower.
+unfolded_p = compat.platform_identity("jaxamp_unfolded", "cpu", lax.optimization_barrier)
+
+
+def _transposed(matmul, params, position, result_dtype, ct, other, tangent) -> Any:
+  """JAX's transpose of the matmul in its cast operand at ``ct``, with a ``result_dtype``
+  result; of ``tangent`` only the type is read."""
+  result_params = dict(params, preferred_element_type=result_dtype)
+  return compat.bilinear_transpose(
+    matmul, ct, _placed(other, tangent, position), position, result_params
+  )
+
+
+def _aval(value) -> Any:
+  """The type of a value, tracer or undefined primal (which carries only ``.aval``)."""
+  return value.aval if hasattr(value, "aval") else compat.typeof(value)
+
+
+def _explicitly_sharded(value) -> bool:
+  """Whether ``value``'s type names a sharding (explicit mesh axes), which a dot's output type
+  must follow."""
+  spec = getattr(getattr(_aval(value), "sharding", None), "spec", None)
+  return spec is not None and any(part is not None for part in spec)
+
+
+def _aval_key(value) -> tuple:
+  aval = _aval(value)
+  return tuple(aval.shape), jnp.dtype(aval.dtype)
+
+
+@caches.lru_cache("weight_grads.unfolded_transposes", maxsize=1024)
+def _unfolded_transpose(matmul, params, position, result_dtype, ct, other, tangent):
+  """The cotangent of the cast operand as a jaxpr of ``(ct, other, tangent)``, and the indices
+  of its matmuls whose outputs it transposes, to be passed through ``unfolded_p``."""
+  transposed = functools.partial(_transposed, matmul, params, position, result_dtype)
+  structs = (jax.ShapeDtypeStruct(*key) for key in (ct, other, tangent))
+  closed = jax.make_jaxpr(transposed)(*structs)
+  producers = {eqn.outvars[0]: index for index, eqn in enumerate(closed.jaxpr.eqns)}
+  transposed_outputs = {
+    producers[eqn.invars[0]]
+    for eqn in closed.jaxpr.eqns
+    if eqn.primitive is p.transpose_p and eqn.invars[0] in producers
+  }
+  matmuls = {i for i, eqn in enumerate(closed.jaxpr.eqns) if eqn.primitive in MATMULS}
+  return closed, frozenset(transposed_outputs & matmuls)
+
+
+def _evaluate(closed, args: Sequence[Any], unfolded: frozenset = frozenset(), bind=None) -> Any:
+  """The single output of the one-output eqns of ``closed`` on ``args``, each eqn evaluated as
+  ``bind(eqn, its input values)`` (its own ``bind`` by default); the outputs of the eqns at the
+  indices ``unfolded`` pass through ``unfolded_p``."""
+  jaxpr = closed.jaxpr
+  values = dict(zip((*jaxpr.constvars, *jaxpr.invars), (*closed.consts, *args), strict=True))
+  for index, eqn in enumerate(jaxpr.eqns):
+    ins = [a.val if compat.is_literal(a) else values[a] for a in eqn.invars]
+    out = eqn.primitive.bind(*ins, **eqn.params) if bind is None else bind(eqn, ins)
+    values[eqn.outvars[0]] = unfolded_p.bind(out) if index in unfolded else out
+  (out,) = jaxpr.outvars
+  return out.val if compat.is_literal(out) else values[out]
+
+
+def _batch_cast_tangent(args, dims, *, matmul, params, position, low) -> tuple[Any, int]:
+  """Under ``vmap``: JAX's own batching of the matmul, traced on a 16-bit tangent, evaluated on
+  the float32 one with this primitive in place of the matmul. The ops JAX puts around it only
+  move axes (reshape, transpose), which they do in any dtype."""
+  other, tangent = args
+
+  def matmul_of(other, tangent):
+    return matmul.bind(*_placed(other, tangent, position), **dict(params))
+
+  shapes = jax.ShapeDtypeStruct(other.shape, other.dtype), jax.ShapeDtypeStruct(tangent.shape, low)
+  closed = jax.make_jaxpr(jax.vmap(matmul_of, in_axes=tuple(dims)))(*shapes)
+  on_tangent = {closed.jaxpr.invars[1]}
+
+  def bind(eqn, ins):
+    reads_tangent = [a in on_tangent for a in eqn.invars]
+    if any(reads_tangent):
+      on_tangent.update(eqn.outvars)
+    if eqn.primitive is not matmul:
+      return eqn.primitive.bind(*ins, **eqn.params)
+    at = reads_tangent.index(True)
+    frozen = _freeze(eqn.params)
+    return cast_tangent_p.bind(
+      ins[1 - at], ins[at], matmul=matmul, params=frozen, position=at, low=low
+    )
+
+  return _evaluate(closed, (other, tangent), bind=bind), 0
+
+
+cast_tangent_p = compat.bilinear_primitive(
+  "jaxamp_cast_tangent",
+  _cast_tangent,
+  _cast_tangent_type,
+  _transpose_other,
+  _transpose_tangent,
+  _batch_cast_tangent,
+)

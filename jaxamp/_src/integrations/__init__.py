@@ -1,0 +1,1 @@
+"""Framework integrations: train steps, gradient accumulation, nnx modules and state trees."""

@@ -1,0 +1,1 @@
+"""The policy tables: one table per device type, rows keyed by primitive objects."""

@@ -1,0 +1,218 @@
+"""torch.amp's CPU op lists (bfloat16 by default; float16 shares them) as a jaxamp policy table.
+
+Unlike CUDA, exp, sum, softmax and layer_norm are not on CPU's float32 list: they run in the
+dtype of their inputs. Each row names the torch ops it realises; ``docs/coverage.md`` lists every
+op of the reference with its row, or why it has no JAX counterpart.
+"""
+
+import jax.numpy as jnp
+
+from jaxamp._src import compat
+from jaxamp._src.policies import shared
+from jaxamp._src.policies.table import Category, Row, Table, Variant, named_op_rows
+
+p = compat.primitives
+
+L, F, P, N, F_IN = (
+  Category.LOWER,
+  Category.FLOAT32,
+  Category.PROMOTE,
+  Category.NATIVE,
+  Category.FLOAT32_INSIDE,
+)
+
+ROWS = (
+  # --- bfloat16 --------------------------------------------------------------------------------
+  Row(
+    (
+      "bmm",
+      "mm",
+      "linalg_vecdot",
+      "baddbmm",
+      "addmm",
+      "addbmm",
+      "linear",
+      "matmul",
+      "mkldnn_rnn_layer",
+    ),
+    L,
+    primitives=(p.dot_general_p,),
+  ),
+  *shared.GROUPED_MATMUL,
+  Row(
+    (
+      "conv1d",
+      "conv2d",
+      "conv3d",
+      "_convolution",
+      "conv_tbc",
+      "conv_transpose1d",
+      "conv_transpose2d",
+      "conv_transpose3d",
+    ),
+    L,
+    primitives=(p.conv_general_dilated_p,),
+  ),
+  Row(("prelu",), L, ops=("prelu",)),
+  Row(
+    ("scaled_dot_product_attention", "_native_multi_head_attention"),
+    L,
+    ops=("scaled_dot_product_attention",),
+  ),
+  # --- float32: primitives ---------------------------------------------------------------------
+  Row(("prod",), F, primitives=(p.reduce_prod_p,), ops=("prod",)),
+  Row(
+    ("cholesky", "linalg_cholesky", "linalg_cholesky_ex", "cholesky_inverse", "cholesky_solve"),
+    F,
+    primitives=(p.cholesky_p,),
+  ),
+  Row(("triangular_solve", "lu_solve"), F, primitives=(p.triangular_solve_p,)),
+  Row(("_lu_with_info",), F, primitives=(p.lu_p,)),
+  Row(("inverse", "linalg_inv", "linalg_inv_ex"), F, ops=("inverse",)),
+  *named_op_rows(F, "linalg_solve", "linalg_tensorinv", "linalg_tensorsolve"),
+  Row(("qr", "linalg_qr", "geqrf"), F, primitives=(p.qr_p, p.geqrf_p, p.geqp3_p)),
+  Row(("orgqr", "linalg_householder_product"), F, primitives=(p.householder_product_p,)),
+  Row(("ormqr",), F, primitives=(p.ormqr_p,)),
+  Row(
+    ("svd", "linalg_svd", "linalg_svdvals", "linalg_matrix_rank", "linalg_cond"),
+    F,
+    primitives=(p.svd_p,),
+  ),
+  *named_op_rows(F, "pinverse", "linalg_lstsq"),
+  Row(("linalg_eigh", "linalg_eigvalsh"), F, primitives=(p.eigh_p,)),
+  Row(("linalg_eig", "linalg_eigvals"), F, primitives=(p.eig_p,)),
+  Row(
+    (
+      "fft_fft",
+      "fft_ifft",
+      "fft_fft2",
+      "fft_ifft2",
+      "fft_fftn",
+      "fft_ifftn",
+      "fft_rfft",
+      "fft_irfft",
+      "fft_rfft2",
+      "fft_irfft2",
+      "fft_rfftn",
+      "fft_irfftn",
+      "fft_hfft",
+      "fft_ihfft",
+      "stft",
+    ),
+    F,
+    primitives=(p.fft_p,),
+  ),
+  Row(("avg_pool3d", "adaptive_avg_pool3d"), F, primitives=(Variant(p.reduce_window_sum_p, "3d"),)),
+  Row(("max_pool3d", "adaptive_max_pool3d"), F, primitives=(Variant(p.reduce_window_max_p, "3d"),)),
+  # --- float32: composites ---------------------------------------------------------------------
+  Row(("trace",), F, ops=("trace",)),
+  *shared.COMPLEX_IN_FLOAT32,
+  Row(("quantile", "nanquantile"), F, ops=("quantile",)),
+  Row(("cdist",), F, ops=("cdist",)),
+  Row(("reflection_pad1d", "reflection_pad2d"), F, ops=("reflection_pad",)),
+  Row(("replication_pad1d", "replication_pad2d", "replication_pad3d"), F, ops=("replication_pad",)),
+  *named_op_rows(F, "mse_loss", "l1_loss"),
+  Row(("huber_loss",), F, ops=("huber_loss", "smooth_l1_loss")),
+  Row(("cross_entropy_loss",), F, ops=("cross_entropy",)),
+  Row(("nll_loss", "nll_loss2d"), F, ops=("nll_loss",)),
+  *named_op_rows(
+    F,
+    "kl_div",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "hinge_embedding_loss",
+    "margin_ranking_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+  ),
+  Row(
+    ("multilabel_margin_loss", "multilabel_margin_loss_forward"), F, ops=("multilabel_margin_loss",)
+  ),
+  Row(("ctc_loss",), F, ops=("ctc_loss",)),
+  # --- unlisted single kernels in torch: they return their input's dtype -----------------
+  # torch's CPU softmax and norm kernels accumulate in float32 and return the input dtype
+  # (rms_norm too, checked on torch 2.13: bitwise the float32 result rounded).
+  Row(
+    (
+      "softmax",
+      "softmin",
+      "log_softmax",
+      "layer_norm",
+      "group_norm",
+      "batch_norm",
+      "sum",
+      "mean",
+      "rms_norm",
+      "instance_norm",
+    ),
+    F_IN,
+    ops=(
+      "softmax",
+      "softmin",
+      "log_softmax",
+      "layer_norm",
+      "group_norm",
+      "batch_norm",
+      "sum",
+      "mean",
+      "rms_norm",
+      "instance_norm",
+    ),
+  ),
+  # Ops torch decomposes into listed ones, like tensordot into mm, have no row: their
+  # primitives follow their own rules.
+  Row(
+    (
+      "softplus",
+      "norm",
+      "normalize",
+      "dist",
+      "pdist",
+      "renorm",
+      "cosine_similarity",
+      "cross",
+      "gelu",
+      "silu",
+      "elu",
+      "celu",
+      "selu",
+      "logsigmoid",
+      "mish",
+      "glu",
+    ),
+    N,
+    ops=(
+      "softplus",
+      "norm",
+      "normalize",
+      "dist",
+      "pdist",
+      "renorm",
+      "cosine_similarity",
+      "cross",
+      "gelu",
+      "silu",
+      "elu",
+      "celu",
+      "selu",
+      "log_sigmoid",
+      "mish",
+      "glu",
+    ),
+  ),
+  # A 1-D by 1-D dot_general is torch's dot / vdot; bilinear runs its own (_trilinear) kernel.
+  Row(("dot", "vdot"), N, primitives=(Variant(p.dot_general_p, "vector"),)),
+  Row(("bilinear",), N, ops=("bilinear",)),
+  # --- promote to the widest input type -------------------------------------------------------
+  Row(("cat", "stack"), P, primitives=(p.concatenate_p,)),
+  Row(("index_copy",), P, primitives=(p.scatter_p,)),
+)
+
+# The linear algebra torch's CPU list does not name (schur, hessenberg, tridiagonal_solve, ...):
+# JAX has no 16-bit kernels for it either, so it runs in float32 too.
+ROWS += shared.linalg_in_float32(besides=ROWS)
+
+TABLE = Table("cpu", jnp.dtype(jnp.bfloat16), ROWS)

@@ -1,0 +1,34 @@
+"""Rows the device tables share, where JAX rather than torch decides."""
+
+from jaxamp._src import compat
+from jaxamp._src.policies.table import NO_16_BIT_KERNELS, Category, Row
+
+p = compat.primitives
+
+# lax.ragged_dot (mixture-of-experts grouped matmuls) is a matmul: the low dtype, like
+# dot_general. torch's counterpart, _grouped_mm, is on none of the reference lists.
+GROUPED_MATMUL = (Row(("_grouped_mm",), Category.LOWER, primitives=(p.ragged_dot_general_p,)),)
+
+
+def linalg_in_float32(besides: tuple[Row, ...] = ()) -> tuple[Row, ...]:
+  """The float32 row of NO_16_BIT_KERNELS, less those ``besides`` lists (CPU's torch rows)."""
+  listed = {prim for row in besides for prim in row.primitives}
+  return (
+    Row(
+      ("linalg (no low-precision kernels)",),
+      Category.FLOAT32,
+      primitives=tuple(prim for prim in NO_16_BIT_KERNELS if prim not in listed),
+    ),
+  )
+
+
+LINALG_IN_FLOAT32 = linalg_in_float32()
+
+# JAX has no complex32: lax.complex only takes float32/float64 parts.
+COMPLEX_IN_FLOAT32 = (Row(("view_as_complex",), Category.FLOAT32, primitives=(p.complex_p,)),)
+
+# Unlisted on CUDA and XPU, their kernels accumulate in float32 and return the input's dtype.
+ACCUMULATING_KERNELS = (
+  Row(("mean",), Category.FLOAT32_INSIDE, ops=("mean",)),
+  Row(("batch_norm",), Category.FLOAT32_INSIDE, ops=("batch_norm",)),
+)

@@ -1,0 +1,134 @@
+"""The shape of a policy table: categories, rows and the table indexed by primitive and op.
+
+A table is data (``jaxamp/_src/policies/<device>.py``): rows mapping JAX primitives (the objects,
+``compat.primitives.dot_general_p``) and named op regions to a category, each row naming the
+torch ops it realises. The interpreter looks categories up here and never branches on device
+types itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._src import compat
+
+p = compat.primitives
+
+
+class Category(enum.Enum):
+  """How autocast treats the floating-point inputs of an op (torch.amp's op lists)."""
+
+  LOWER = "lower"  # cast to the autocast dtype (float16 / bfloat16)
+  FLOAT32 = "float32"  # cast to float32
+  FLOAT32_INSIDE = "float32_inside"  # compute in float32, return the main input's dtype
+  PROMOTE = "promote"  # cast to the widest floating input dtype
+  NATIVE = "native"  # unlisted op: run in the dtypes its inputs already have
+  FORBIDDEN = "forbidden"  # raises inside an autocast region (binary_cross_entropy on cuda)
+
+
+class Variant(NamedTuple):
+  """A primitive used as a particular torch op: ``div`` of a Python scalar is ``__rdiv__``.
+
+  ``interpreter`` names the variant of an eqn; a table row may list it apart from the primitive.
+  """
+
+  primitive: Any
+  name: str
+
+  def __str__(self) -> str:
+    return f"{self.primitive.name}[{self.name}]"
+
+
+class Row(NamedTuple):
+  """One row of a policy table.
+
+  Attributes:
+    torch_ops: the torch ops this row realises (names as in torch's autocast op reference).
+    category: how the row's inputs are cast.
+    primitives: the JAX primitives (or ``Variant``s of one) the row covers.
+    ops: names of registered op regions (composites) the row covers.
+  """
+
+  torch_ops: tuple[str, ...]
+  category: Category
+  primitives: tuple[Any, ...] = ()
+  ops: tuple[str, ...] = ()
+
+
+def named_op_rows(category: Category, *names: str) -> tuple[Row, ...]:
+  """One row per op region named like the torch op it realises (most composite rows)."""
+  return tuple(Row((name,), category, ops=(name,)) for name in names)
+
+
+ELIGIBLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+LOW_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+# Every jax.lax.linalg primitive with floating operands, and fft: JAX has no float16 or bfloat16
+# kernels for most (LAPACK, cuSOLVER and ducc take float32 and float64; lax.fft rejects 16-bit
+# inputs), so all run in float32 rather than fail. torch raises on low-precision linear algebra
+# on CUDA and XPU; on CPU its float32 list names most of them.
+NO_16_BIT_KERNELS = (
+  p.cholesky_p,
+  p.cholesky_update_p,
+  p.eig_p,
+  p.eigh_p,
+  p.geqp3_p,
+  p.geqrf_p,
+  p.hessenberg_p,
+  p.householder_product_p,
+  p.lu_p,
+  p.ormqr_p,
+  p.qr_p,
+  p.schur_p,
+  p.svd_p,
+  p.symmetric_product_p,
+  p.triangular_solve_p,
+  p.tridiagonal_p,
+  p.tridiagonal_solve_p,
+  p.fft_p,
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Table:
+  """A device type's policy table: its default dtype and its rows."""
+
+  device_type: str
+  default_dtype: np.dtype
+  rows: tuple[Row, ...]
+
+  @functools.cached_property
+  def primitive_categories(self) -> Mapping[Any, Category]:
+    """Primitive (or ``Variant``) -> its category."""
+    return _index(self.rows, "primitives")
+
+  @functools.cached_property
+  def op_categories(self) -> Mapping[str, Category]:
+    return _index(self.rows, "ops")
+
+  @functools.cached_property
+  def primitive_rows(self) -> Mapping[Any, tuple[str, ...]]:
+    """Primitive (or ``Variant``) -> the torch ops of its row."""
+    return {key: row.torch_ops for row in self.rows for key in row.primitives}
+
+  @functools.cached_property
+  def op_rows(self) -> Mapping[str, tuple[str, ...]]:
+    """Op region name -> the torch ops of its row."""
+    return {name: row.torch_ops for row in self.rows for name in row.ops}
+
+
+def _index(rows: tuple[Row, ...], field: str) -> dict[Any, Category]:
+  index: dict[Any, Category] = {}
+  for row in rows:
+    for key in getattr(row, field):
+      if key in index and index[key] != row.category:
+        raise ValueError(f"{str(key)!r} has two categories in one table")
+      index[key] = row.category
+  return index

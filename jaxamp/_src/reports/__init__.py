@@ -1,0 +1,1 @@
+"""Reports: explain, precision_report, nonfinite_report and the coverage table."""

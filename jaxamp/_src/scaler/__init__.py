@@ -1,0 +1,2 @@
+"""The loss scaler: dynamic_loss_scale and torch's GradScaler surface (no code shared with
+autocast)."""

@@ -1,1 +1,0 @@
-"""Policy tables, one module per device type."""

@@ -1,0 +1,134 @@
+"""A parameter added to a dot or conv runs in the low dtype, as torch's linear/addmm/conv with a
+bias; a computed addend is a residual and promotes.
+
+Whether an addend is a bias is decided by where it comes from (a parameter or constant, read by
+nothing but adds), not by its rank: per-example layers written unbatched (Equinox's ``Linear``
+and ``Conv2d``), ``vmap`` (a transpose between the dot and the add) and ``addmv`` all keep their
+output in the low dtype.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import jaxamp
+
+POLICIES = [("cuda", jnp.float16), ("cpu", jnp.bfloat16), ("xpu", jnp.float16)]
+policies = pytest.mark.parametrize("device_type,low", POLICIES, ids=[p for p, _ in POLICIES])
+
+W = jax.random.normal(jax.random.key(0), (6, 8)) * 0.3
+B = jax.random.normal(jax.random.key(1), (6,))
+V = jax.random.normal(jax.random.key(2), (8,))
+XS = jax.random.normal(jax.random.key(3), (5, 8))
+
+
+@policies
+def test_unbatched_linear_keeps_its_bias_add_low(device_type, low):
+  fun = jaxamp.autocast(lambda w, v, b: w @ v + b, device_type=device_type)
+  assert fun(W, V, B).dtype == low
+
+
+@policies
+def test_vmapped_unbatched_linear_keeps_its_bias_add_low(device_type, low):
+  layer = jax.vmap(lambda w, v, b: w @ v + b, in_axes=(None, 0, None))
+  assert jaxamp.autocast(layer, device_type=device_type)(W, XS, B).dtype == low
+
+
+@policies
+def test_addmv_stays_low(device_type, low):
+  fun = jaxamp.autocast(lambda c, a, v: c + a @ v, device_type=device_type)  # torch.addmv
+  assert fun(B, W, V).dtype == low
+
+
+@policies
+def test_equinox_linear_output_is_low(device_type, low):
+  layer = eqx.nn.Linear(8, 6, key=jax.random.key(4))
+  assert jaxamp.autocast(layer, device_type=device_type)(V).dtype == low
+  batched = jaxamp.autocast(jax.vmap(layer), device_type=device_type)(XS)
+  assert batched.dtype == low
+
+
+@policies
+def test_equinox_conv2d_output_is_low(device_type, low):
+  conv = eqx.nn.Conv2d(3, 4, kernel_size=3, padding=1, key=jax.random.key(5))  # bias (4, 1, 1)
+  image = jnp.ones((3, 8, 8))
+  assert jaxamp.autocast(conv, device_type=device_type)(image).dtype == low
+
+
+@policies
+def test_equinox_mlp_keeps_low_activations_between_layers(device_type, low):
+  mlp = eqx.nn.MLP(8, 4, width_size=16, depth=2, key=jax.random.key(6))
+  jaxpr = jax.make_jaxpr(jaxamp.autocast(mlp, device_type=device_type))(V)
+  adds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "add"]
+  assert adds and all(e.outvars[0].aval.dtype == low for e in adds)
+
+
+@policies
+def test_bias_add_inside_a_scan_over_layers_stays_low(device_type, low):
+  def layer(carry, params):  # the weights and biases are scanned over (flax's nn.scan layout)
+    w, b = params
+    out = carry @ w + b
+    return jnp.tanh(out), out
+
+  stacked = (jnp.stack([jnp.eye(8)] * 3), jnp.zeros((3, 8)))
+  fun = jaxamp.autocast(lambda x, p: lax.scan(layer, x, p)[1], device_type=device_type)
+  assert fun(XS, stacked).dtype == low
+
+
+@policies
+def test_residual_add_of_a_computed_float32_value_promotes(device_type, low):
+  fun = jaxamp.autocast(lambda h, w, v: jnp.sin(h) + w @ v, device_type=device_type)
+  assert fun(B, W, V).dtype == jnp.float32  # torch: h + F.linear(x, W)
+
+
+@policies
+def test_residual_add_of_an_input_the_block_also_reads_promotes(device_type, low):
+  def block(x, w):
+    return x + jnp.tanh(x) @ w  # x is an activation: read by tanh, not only added
+
+  assert jaxamp.autocast(block, device_type=device_type)(XS, jnp.eye(8)).dtype == jnp.float32
+
+
+@policies
+def test_a_second_parameter_added_after_a_dense_layer_promotes(device_type, low):
+  # torch: F.linear(x, W, b) + p promotes; only the dot's own bias add joins it.
+  fun = jaxamp.autocast(lambda x, w, b, p: x @ w.T + b + p, device_type=device_type)
+  assert fun(XS, W, B, B).dtype == jnp.float32
+
+
+@policies
+def test_a_bias_of_a_computed_weight_stays_low(device_type, low):
+  # Weight norm, spectral norm, a merged LoRA weight: the weight is computed, still a weight.
+  fun = jaxamp.autocast(
+    lambda w, v, b: (w / jnp.linalg.norm(w, axis=1, keepdims=True)) @ v + b,
+    device_type=device_type,
+  )
+  assert fun(W, V, B).dtype == low
+
+
+@policies
+def test_an_addend_along_both_operands_free_dims_promotes(device_type, low):
+  # q @ k.T + mask: the mask varies over queries and keys; no bias does.
+  fun = jaxamp.autocast(lambda q, k, m: q @ k.T + m, device_type=device_type)
+  assert fun(XS, XS, jnp.zeros((5, 5))).dtype == jnp.float32
+
+
+@policies
+def test_an_addend_along_a_batch_dim_promotes(device_type, low):
+  scores = lambda q, k, m: jnp.einsum("bqd,bkd->bqk", q, k) + m
+  q = jnp.stack([XS, XS])
+  fun = jaxamp.autocast(scores, device_type=device_type)
+  assert fun(q, q, jnp.zeros((2, 1, 1))).dtype == jnp.float32
+
+
+@policies
+def test_a_conv_bias_along_the_output_channels_stays_low_but_a_spatial_one_promotes(
+  device_type, low
+):
+  conv = lambda x, k, b: lax.conv(x, k, (1, 1), "SAME") + b
+  x, k = jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3)) * 0.1
+  fun = jaxamp.autocast(conv, device_type=device_type)
+  assert fun(x, k, jnp.zeros((1, 4, 1, 1))).dtype == low
+  assert fun(x, k, jnp.zeros((1, 1, 8, 8))).dtype == jnp.float32

@@ -1,0 +1,113 @@
+"""A dtype the user wrote wins over the policy.
+
+torch runs an op called with ``dtype=`` as written, also when it is on the float32 list; in JAX
+the caller's ``dtype=`` is a cast at the op's entrance, told apart from the op's own
+upcast-then-restore. ``preferred_element_type`` chosen by the caller is kept as well.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import jaxamp
+
+X = jax.random.normal(jax.random.key(0), (4, 8))
+W = jax.random.normal(jax.random.key(1), (8, 8)) * 0.3
+DEVICES = ("cuda", "cpu", "xpu")
+REDUCTIONS = {
+  "sum": jnp.sum,
+  "mean": jnp.mean,
+  "cumsum": jnp.cumsum,
+  "prod": jnp.prod,
+  "cumprod": jnp.cumprod,
+  "nansum": jnp.nansum,
+}
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_a_reductions_explicit_dtype_is_kept(device_type, name, dtype):
+  # (dtype=jnp.float32 on a value traced as float32 leaves no trace in the jaxpr: JAX drops the
+  # cast to the dtype a value already has, so autocast cannot see it; README "Limits".)
+  reduce = REDUCTIONS[name]
+  fun = jaxamp.autocast(lambda x, w: reduce(x @ w, dtype=dtype), device_type=device_type)
+  assert jax.jit(fun)(X, W).dtype == dtype
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+def test_an_explicit_dtype_changes_what_the_op_computes_in(device_type):
+  fun = jaxamp.autocast(lambda x: jnp.sum(x, dtype=jnp.float16), device_type=device_type)
+  x = jnp.full((4096,), 1.0 + 2.0**-9)  # float16 accumulation loses the low bits
+  assert fun(x) == jnp.sum(x, dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+def test_without_a_dtype_the_policy_decides(device_type):
+  fun = jaxamp.autocast(lambda x, w: jnp.sum(x @ w), device_type=device_type)
+  expected = jnp.bfloat16 if device_type == "cpu" else jnp.float32  # cpu: sum returns its input's
+  assert fun(X, W).dtype == expected
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+def test_the_callers_preferred_element_type_is_kept(device_type):
+  dot = lambda x, w: lax.dot(
+    x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+  )
+  assert jaxamp.autocast(dot, device_type=device_type)(X, W).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+def test_a_16_bit_input_summed_without_dtype_returns_the_policys_dtype(device_type):
+  # jnp.sum's own float16 upcast-then-restore is not an explicit dtype.
+  fun = jaxamp.autocast(lambda x: jnp.sum(x), device_type=device_type)
+  expected = jnp.float16 if device_type == "cpu" else jnp.float32
+  assert fun(X.astype(jnp.float16)).dtype == expected
+
+
+# --- precision=: an explicit request for full precision ------------------------------------
+
+XS = jax.random.normal(jax.random.key(2), (4, 8))
+WS = jax.random.normal(jax.random.key(3), (8, 3))
+FULL = [lax.Precision.HIGHEST, "highest", lax.Precision.HIGH, (lax.Precision.HIGHEST,) * 2]
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+@pytest.mark.parametrize("precision", FULL, ids=["HIGHEST", "highest", "HIGH", "pair"])
+def test_a_dot_with_an_explicit_precision_runs_in_its_input_dtype(device_type, precision):
+  fun = jaxamp.autocast(lambda x, w: jnp.dot(x, w, precision=precision), device_type=device_type)
+  out = fun(XS, WS)
+  assert out.dtype == jnp.float32
+  assert bool(jnp.array_equal(out, jnp.dot(XS, WS, precision=precision)))
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_lax_dot_general_and_einsum_with_highest_precision_run_in_float32(device_type):
+  dims = (((1,), (0,)), ((), ()))
+  highest = lax.Precision.HIGHEST
+  general = lambda x, w: lax.dot_general(x, w, dims, precision=highest)
+  einsum = lambda x, w: jnp.einsum("ij,jk->ik", x, w, precision=highest)
+  for fun in (general, einsum):
+    assert jaxamp.autocast(fun, device_type=device_type)(XS, WS).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_a_conv_with_highest_precision_runs_in_float32(device_type):
+  image, kernel = jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3))
+  conv = lambda x, k: lax.conv(x, k, (1, 1), "SAME", precision=lax.Precision.HIGHEST)
+  assert jaxamp.autocast(conv, device_type=device_type)(image, kernel).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_default_precision_spelled_out_is_autocast(device_type):
+  fun = jaxamp.autocast(
+    lambda x, w: jnp.dot(x, w, precision=lax.Precision.DEFAULT), device_type=device_type
+  )
+  assert fun(XS, WS).dtype == jaxamp.get_autocast_dtype(device_type)
+
+
+def test_explain_names_the_explicit_precision():
+  fun = lambda x, w: jnp.dot(x, w, precision=lax.Precision.HIGHEST)
+  report = str(jaxamp.explain(fun, device_type="cpu")(XS, WS))
+  assert "explicit precision" in report

@@ -1,0 +1,311 @@
+"""Library composites are recognised by identity: the registered function's code object among the
+frames of an eqn's traceback. Every entry resolves, every entry is exercised, and the norm layers
+of flax, Haiku and Equinox compute in float32 inside with torch's output dtype."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import equinox as eqx
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jaxpr_utils import float_dtypes_of, primitive_names, traced, walk
+
+import jaxamp
+from jaxamp._src.autocast import library_ops, regions
+
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+KEY = jax.random.key(0)
+
+
+def x_of(*shape, dtype=jnp.float32):
+  """Distinct positive values of ``shape`` (well conditioned for the linear algebra below)."""
+  size = int(np.prod(shape))
+  return jnp.asarray(1.0 + np.arange(size).reshape(shape) / size, dtype)
+
+
+def spd(n=3):
+  return jnp.eye(n) * 3.0 + x_of(n, n) * 0.1
+
+
+def ops_traced(fun, *args) -> set[str]:
+  """The op names of every eqn (sub-jaxprs included) that ``fun(*args)`` traces to."""
+  jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
+  return {op.name for _, eqn in walk(jaxpr) for op in regions.marks_of(eqn).ops}
+
+
+def linen(module, *args, mutable=False):
+  variables = module.init(KEY, *args)
+  return lambda v, *a: module.apply(v, *a, mutable=["batch_stats"] if mutable else False), (
+    variables,
+    *args,
+  )
+
+
+def nnx_call(module, *args):
+  graphdef, state = nnx.split(module)
+  return lambda s, *a: nnx.merge(graphdef, s)(*a), (state, *args)
+
+
+def haiku(layer, *args, with_state=False):
+  if with_state:
+    model = hk.transform_with_state(layer)
+    params, state = model.init(KEY, *args)
+    return lambda p, s, *a: model.apply(p, s, None, *a)[0], (params, state, *args)
+  model = hk.transform(layer)
+  return lambda p, *a: model.apply(p, None, *a), (model.init(KEY, *args), *args)
+
+
+def eqx_batch_norm(x):
+  # mode="ema" fails on bfloat16 inputs with or without autocast (lax.select of f32 and bf16).
+  norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+    x.shape[-1], axis_name="batch", mode="batch"
+  )
+  return lambda x, s: jax.vmap(lambda r: norm(r, s)[0], axis_name="batch")(x), (x, state)
+
+
+X, V = x_of(2, 4), x_of(4)
+LOGITS, LABELS = x_of(3, 5), jax.nn.one_hot(jnp.arange(3), 5)
+INT_LABELS = jnp.arange(3)
+CTC = (x_of(2, 6, 4), jnp.zeros((2, 6)), jnp.ones((2, 2), jnp.int32), jnp.zeros((2, 2)))
+QKV = (x_of(1, 3, 2, 4),) * 3
+
+# (module, attribute path) of every entry -> a function calling it and its arguments.
+EXAMPLES = {
+  ("jax.nn", "softmax"): (jax.nn.softmax, (X,)),
+  ("jax.nn", "log_softmax"): (jax.nn.log_softmax, (X,)),
+  ("jax.nn", "softplus"): (jax.nn.softplus, (X,)),
+  ("jax.nn", "dot_product_attention"): (jax.nn.dot_product_attention, QKV),
+  ("jax.nn", "gelu"): (jax.nn.gelu, (X,)),
+  ("jax.nn", "silu"): (jax.nn.silu, (X,)),
+  ("jax.nn", "elu"): (jax.nn.elu, (X,)),
+  ("jax.nn", "celu"): (jax.nn.celu, (X,)),
+  ("jax.nn", "selu"): (jax.nn.selu, (X,)),
+  ("jax.nn", "log_sigmoid"): (jax.nn.log_sigmoid, (X,)),
+  ("jax.nn", "mish"): (jax.nn.mish, (X,)),
+  ("jax.nn", "glu"): (jax.nn.glu, (X,)),
+  ("jax.nn", "relu"): (jax.nn.relu, (X,)),
+  ("jax.scipy.special", "logsumexp"): (jax.nn.logsumexp, (X,)),
+  ("jax.numpy", "tensordot"): (lambda a: jnp.tensordot(a, a.T, 1), (X,)),
+  ("jax.numpy", "cross"): (lambda a: jnp.cross(a, a[::-1]), (x_of(3),)),
+  ("jax.numpy", "trace"): (jnp.trace, (spd(),)),
+  (library_ops._LAX_NUMPY, "_pad_symmetric_or_reflect"): (
+    lambda a: jnp.pad(a, 1, mode="reflect"),
+    (X,),
+  ),
+  (library_ops._LAX_NUMPY, "_pad_edge"): (lambda a: jnp.pad(a, 1, mode="edge"), (X,)),
+  ("jax.numpy.linalg", "norm"): (jnp.linalg.norm, (X,)),
+  ("jax.numpy.linalg", "pinv"): (jnp.linalg.pinv, (X,)),
+  ("jax.numpy.linalg", "inv"): (jnp.linalg.inv, (spd(),)),
+  ("jax.numpy.linalg", "solve"): (jnp.linalg.solve, (spd(), x_of(3))),
+  ("jax.numpy.linalg", "tensorinv"): (
+    lambda a: jnp.linalg.tensorinv(a.reshape(2, 2, 4), 2),
+    (spd(4),),
+  ),
+  ("jax.numpy.linalg", "tensorsolve"): (
+    lambda a, b: jnp.linalg.tensorsolve(a.reshape(2, 2, 4), b.reshape(2, 2)),
+    (spd(4), x_of(4)),
+  ),
+  ("jax.numpy.linalg", "lstsq"): (lambda a, b: jnp.linalg.lstsq(a, b)[0], (spd(), x_of(3))),
+  ("jax.numpy", "sum"): (jnp.sum, (X,)),
+  ("jax.numpy", "prod"): (jnp.prod, (X,)),
+  ("jax.numpy", "mean"): (jnp.mean, (X,)),
+  ("jax.numpy", "cumsum"): (jnp.cumsum, (X,)),
+  ("jax.numpy", "cumprod"): (jnp.cumprod, (X,)),
+  ("jax.numpy", "quantile"): (lambda a: jnp.quantile(a, 0.5), (X,)),
+  ("jax.numpy", "nanquantile"): (lambda a: jnp.nanquantile(a, 0.5), (X,)),
+  ("optax.losses", "sigmoid_binary_cross_entropy"): (
+    optax.losses.sigmoid_binary_cross_entropy,
+    (LOGITS, LABELS),
+  ),
+  ("optax.losses", "softmax_cross_entropy"): (optax.losses.softmax_cross_entropy, (LOGITS, LABELS)),
+  ("optax.losses", "safe_softmax_cross_entropy"): (
+    optax.losses.safe_softmax_cross_entropy,
+    (LOGITS, LABELS),
+  ),
+  ("optax.losses", "softmax_cross_entropy_with_integer_labels"): (
+    optax.losses.softmax_cross_entropy_with_integer_labels,
+    (LOGITS, INT_LABELS),
+  ),
+  ("optax.losses", "kl_divergence"): (
+    optax.losses.kl_divergence,
+    (jax.nn.log_softmax(LOGITS), LABELS),
+  ),
+  ("optax.losses", "kl_divergence_with_log_targets"): (
+    optax.losses.kl_divergence_with_log_targets,
+    (jax.nn.log_softmax(LOGITS),) * 2,
+  ),
+  ("optax.losses", "ctc_loss"): (optax.losses.ctc_loss, CTC),
+  ("optax.losses", "ctc_loss_with_forward_probs"): (
+    lambda *a: optax.losses.ctc_loss_with_forward_probs(*a)[0],
+    CTC,
+  ),
+  ("optax.losses", "multiclass_hinge_loss"): (
+    optax.losses.multiclass_hinge_loss,
+    (LOGITS, INT_LABELS),
+  ),
+  ("optax.losses", "squared_error"): (optax.losses.squared_error, (X, X * 0.5)),
+  ("optax.losses", "l2_loss"): (optax.losses.l2_loss, (X, X * 0.5)),
+  ("optax.losses", "huber_loss"): (optax.losses.huber_loss, (X, X * 0.5)),
+  ("optax.losses", "cosine_similarity"): (optax.losses.cosine_similarity, (X, X[::-1])),
+  ("optax.losses", "triplet_margin_loss"): (
+    optax.losses.triplet_margin_loss,
+    (X, X * 0.5, X[::-1]),
+  ),
+  ("flax.linen", "LayerNorm.__call__"): linen(nn.LayerNorm(), X),
+  ("flax.linen", "GroupNorm.__call__"): linen(nn.GroupNorm(num_groups=2), X),
+  ("flax.linen", "BatchNorm.__call__"): linen(
+    nn.BatchNorm(use_running_average=False), X, mutable=True
+  ),
+  ("flax.linen", "RMSNorm.__call__"): linen(nn.RMSNorm(), X),
+  ("flax.linen", "InstanceNorm.__call__"): linen(nn.InstanceNorm(), x_of(2, 3, 4)),
+  ("flax.linen", "PReLU.__call__"): linen(nn.PReLU(), X),
+  ("flax.nnx", "LayerNorm.__call__"): nnx_call(nnx.LayerNorm(4, rngs=nnx.Rngs(0)), X),
+  ("flax.nnx", "GroupNorm.__call__"): nnx_call(nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0)), X),
+  ("flax.nnx", "BatchNorm.__call__"): nnx_call(nnx.BatchNorm(4, rngs=nnx.Rngs(0)), X),
+  ("flax.nnx", "RMSNorm.__call__"): nnx_call(nnx.RMSNorm(4, rngs=nnx.Rngs(0)), X),
+  ("flax.nnx", "InstanceNorm.__call__"): nnx_call(
+    nnx.InstanceNorm(4, rngs=nnx.Rngs(0)), x_of(2, 3, 4)
+  ),
+  ("flax.nnx", "PReLU.__call__"): nnx_call(nnx.PReLU(), X),
+  ("haiku", "LayerNorm.__call__"): haiku(lambda x: hk.LayerNorm(-1, True, True)(x), X),
+  ("haiku", "GroupNorm.__call__"): haiku(lambda x: hk.GroupNorm(2)(x), x_of(2, 3, 4)),
+  ("haiku", "BatchNorm.__call__"): haiku(
+    lambda x: hk.BatchNorm(True, True, 0.9)(x, is_training=True), X, with_state=True
+  ),
+  ("haiku", "RMSNorm.__call__"): haiku(lambda x: hk.RMSNorm(-1)(x), X),
+  ("equinox.nn", "LayerNorm.__call__"): (eqx.nn.LayerNorm(4), (V,)),
+  ("equinox.nn", "GroupNorm.__call__"): (eqx.nn.GroupNorm(2, 4), (x_of(4, 3),)),
+  ("equinox.nn", "BatchNorm.__call__"): eqx_batch_norm(X),
+  ("equinox.nn", "RMSNorm.__call__"): (eqx.nn.RMSNorm(4), (V,)),
+  ("equinox.nn", "PReLU.__call__"): (eqx.nn.PReLU(), (V,)),
+}
+
+
+def _entry_id(entry):
+  return f"{entry[0]}.{entry[1]}"
+
+
+def test_every_entry_has_an_example():
+  assert {(module, path) for module, path, _ in library_ops.LIBRARY_OPS} == set(EXAMPLES)
+
+
+@pytest.mark.parametrize("entry", library_ops.LIBRARY_OPS, ids=_entry_id)
+def test_every_entry_resolves_to_a_python_function(entry):
+  module, path, _ = entry
+  importlib.import_module(module)
+  assert regions.code_of(regions.resolve(module, path)).co_name == path.rpartition(".")[2]
+
+
+@pytest.mark.parametrize("entry", library_ops.LIBRARY_OPS, ids=_entry_id)
+def test_eqns_traced_inside_every_entry_are_recognised_as_its_op(entry):
+  module, path, name = entry
+  fun, args = EXAMPLES[module, path]
+  assert name in ops_traced(fun, *args)
+
+
+def test_a_function_is_recognised_by_its_code_not_by_its_name():
+  def softmax(x):  # jax.nn.softmax's name, another function
+    return jnp.exp(x) / jnp.sum(jnp.exp(x))
+
+  assert "softmax" not in ops_traced(softmax, X)
+
+
+def test_importing_jaxamp_imports_none_of_the_optional_libraries():
+  script = (
+    "import sys, jaxamp; print(sorted(m for m in ('flax', 'haiku', 'equinox') if m in sys.modules))"
+  )
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------------
+# Norm layers under the CPU policy: float32 inside, the input's dtype out, as torch's kernels.
+
+XB = (x_of(2, 3, 8) * 4.0).astype(jnp.bfloat16)
+
+
+def _eqx_vmapped(layer):
+  return lambda m, x: jax.vmap(jax.vmap(m))(x), (layer, XB)
+
+
+def _eqx_batch_norm_state():
+  return eqx_batch_norm(XB.reshape(6, 8))
+
+
+NORM_LAYERS = {
+  "haiku.LayerNorm": haiku(lambda x: hk.LayerNorm(-1, True, True)(x), XB),
+  "haiku.BatchNorm": haiku(
+    lambda x: hk.BatchNorm(True, True, 0.9)(x, is_training=True), XB, with_state=True
+  ),
+  "haiku.RMSNorm": haiku(lambda x: hk.RMSNorm(-1)(x), XB),
+  "equinox.LayerNorm": _eqx_vmapped(eqx.nn.LayerNorm(8)),
+  "equinox.RMSNorm": _eqx_vmapped(eqx.nn.RMSNorm(8)),
+  "equinox.GroupNorm": (lambda m, x: jax.vmap(m)(x), (eqx.nn.GroupNorm(3, 3), XB)),
+  "equinox.BatchNorm": _eqx_batch_norm_state(),
+  "flax.linen.RMSNorm": linen(nn.RMSNorm(), XB),
+  "flax.linen.InstanceNorm": linen(nn.InstanceNorm(), XB),
+  "flax.nnx.RMSNorm": nnx_call(nnx.RMSNorm(8, rngs=nnx.Rngs(0)), XB),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(NORM_LAYERS))
+def test_norm_layer_normalises_in_float32_and_returns_the_input_dtype_on_cpu(layer):
+  fun, args = NORM_LAYERS[layer]
+  jaxpr = traced(jaxamp.autocast(fun, device_type="cpu"), *args)
+  normalising = primitive_names(jaxpr) & {"rsqrt", "div"}
+  assert normalising, primitive_names(jaxpr)
+  for primitive in normalising:
+    assert float_dtypes_of(jaxpr, primitive) == {F32}, primitive
+  assert [v.aval.dtype for v in jaxpr.outvars] == [BF16]
+
+
+# ------------------------------------------------------------------------------------------------
+# jaxamp.register_op on a function object: recognised by identity, not wrapped.
+
+
+def third_party_rms_norm(x):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def test_register_op_recognises_a_function_object_without_wrapping_it():
+  assert jaxamp.register_op(third_party_rms_norm, name="rms_norm") is third_party_rms_norm
+  jaxpr = traced(jaxamp.autocast(third_party_rms_norm, device_type="cpu"), XB)
+  assert float_dtypes_of(jaxpr, "rsqrt") == {F32}
+  assert [v.aval.dtype for v in jaxpr.outvars] == [BF16]
+
+
+def test_register_op_of_a_function_object_gives_its_default_category():
+  def scaled(x):
+    return jnp.exp(x) * 2.0
+
+  jaxamp.register_op(scaled, name="test_library_ops.scaled", category="float32")
+  jaxpr = traced(jaxamp.autocast(scaled, device_type="cpu"), XB)
+  assert float_dtypes_of(jaxpr, "exp") == {F32}
+
+
+def test_register_op_of_a_function_object_needs_a_name():
+  with pytest.raises(TypeError, match="`name` must be a non-empty string"):
+    jaxamp.register_op(third_party_rms_norm)
+
+
+def test_register_op_of_a_callable_without_python_code_is_a_type_error():
+  with pytest.raises(TypeError, match="no Python code object"):
+    jaxamp.register_op(len, name="len")
+
+
+def test_register_op_again_with_another_category_raises():
+  jaxamp.register_op("test_library_ops.twice", category="float32")
+  jaxamp.register_op("test_library_ops.twice", category="float32")  # the same: allowed
+  jaxamp.register_op("test_library_ops.twice")  # no category: keeps float32
+  assert regions._user_defaults["test_library_ops.twice"] is jaxamp.Category.FLOAT32
+  with pytest.raises(ValueError, match="registered with category 'float32'"):
+    jaxamp.register_op("test_library_ops.twice", category="lower")

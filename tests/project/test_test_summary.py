@@ -1,0 +1,69 @@
+"""The test run itself: without torch it ends by saying what did not run and how to run it; the
+notebooks belong to the slow tests (``-m "not slow"`` is the fast subset)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import conftest
+import pytest
+from paths import ROOT
+
+SMALL_FILE_WITH_TORCH_COMPARISONS = "tests/autocast/test_scalar_constants.py"
+
+
+def pytest_in_a_subprocess(*args: str, without_torch: bool = False) -> str:
+  env = dict(os.environ)
+  env.pop("JAXAMP_TESTS_WITHOUT_TORCH", None)
+  if without_torch:
+    env["JAXAMP_TESTS_WITHOUT_TORCH"] = "1"
+  out = subprocess.run(
+    [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  return out.stdout
+
+
+def test_the_summary_line_counts_the_deselected_comparisons_and_says_how_to_run_them():
+  items = [type("Item", (), {"path": pathlib.Path(name)})() for name in ("a.py", "a.py", "b.py")]
+  line = conftest.torch_summary(items)
+  assert line.startswith("3 comparisons with live torch (2 test files) were deselected")
+  assert "golden files" in line and "pip install torch==2.13.0" in line
+
+
+def test_there_is_no_summary_line_when_nothing_was_deselected():
+  assert conftest.torch_summary([]) is None
+
+
+def test_a_run_without_torch_ends_with_the_summary_line():
+  printed = pytest_in_a_subprocess(
+    "--collect-only", SMALL_FILE_WITH_TORCH_COMPARISONS, without_torch=True
+  )
+  summary = printed.split("without torch", 1)[1]  # after the section line, not only under -rs
+  assert "comparisons with live torch (1 test file) were deselected" in summary
+  assert "pip install torch==2.13.0" in summary
+
+
+@pytest.mark.skipif(not conftest.HAS_TORCH, reason="torch is not installed here")
+def test_a_run_with_torch_has_no_summary_line():
+  printed = pytest_in_a_subprocess("--collect-only", SMALL_FILE_WITH_TORCH_COMPARISONS)
+  assert "without torch" not in printed
+
+
+def test_the_notebooks_are_slow_tests():
+  fast = pytest_in_a_subprocess(
+    "--collect-only", "-m", "not slow", "tests/project/test_imports.py", "notebooks"
+  )
+  slow = pytest_in_a_subprocess(
+    "--collect-only", "-m", "slow", "tests/project/test_imports.py", "notebooks"
+  )
+  assert ".ipynb" not in fast and slow.count(".ipynb::") == len(
+    list(ROOT.glob("notebooks/*.ipynb"))
+  )
