@@ -12,7 +12,8 @@ them exactly), whether the step found an Inf/NaN, the scale after ``update()`` (
 and value), the growth tracker and the parameters after the step. Every float32 array is stored
 as bit patterns (``"0x3f800000"``): exact, and JSON has no Inf/NaN.
 
-``run_config`` is also imported by ``tests/scaler/test_loss_scale_goldens.py`` for the live comparison.
+``run_config`` is also imported by ``tests/scaler/test_loss_scale_goldens.py`` for the live
+comparison.
 """
 
 from __future__ import annotations

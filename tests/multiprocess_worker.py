@@ -1,4 +1,5 @@
-"""One process of tests/integrations/test_multiprocess.py: mixed-precision training on a mesh over processes.
+"""One process of tests/integrations/test_multiprocess.py: mixed-precision training on a mesh
+over processes.
 
 Run by ``multiprocess_launcher.run_processes`` as ``worker COORDINATOR NUM_PROCESSES PROCESS_ID
 MODE [CHECKPOINT_DIR]`` (each process of the pair), or directly as ``worker single`` on 4 local

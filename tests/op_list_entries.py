@@ -1,6 +1,7 @@
-"""Building blocks of the ported torch autocast test lists (tests/policies/test_torch_autocast_lists.py,
-tests/policies/test_tpu_autocast_lists.py): tensor arguments described by torch dtype names, how their
-values are drawn, the JAX spellings of a few torch ops, and how outputs are compared."""
+"""Building blocks of the ported torch autocast test lists
+(tests/policies/test_torch_autocast_lists.py, tests/policies/test_tpu_autocast_lists.py): tensor
+arguments described by torch dtype names, how their values are drawn, the JAX spellings of a few
+torch ops, and how outputs are compared."""
 
 import functools
 from collections.abc import Callable

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,8 +123,8 @@ def rewrite(
       ctx, casts=casting.CastCache(hoistable=frozenset(jaxpr.invars[:hoist])), record=False
     )
     compat.trace(
-      lambda *args: _evaluate_body(
-        jaxpr, consts, args, ctx, out_dtypes, discovery, computed, constants
+      lambda *args: evaluate_body(
+        jaxpr, consts, args, ctx, discovery, out_dtypes, computed, constants
       ),
       in_avals,
     )
@@ -142,7 +142,7 @@ def rewrite(
     }
     env = Env(ctx, path, casts=casting.CastCache(precast=precast))
     args = (*invariants, *rest)
-    return _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed, constants)
+    return evaluate_body(jaxpr, consts, args, ctx, env, out_dtypes, computed, constants)
 
   closed = compat.trace(body, (*in_avals[:hoist], *extra_avals, *in_avals[hoist:]))
   if recording:
@@ -151,7 +151,11 @@ def rewrite(
   return closed, hoisted
 
 
-def _evaluate_body(jaxpr, consts, args, ctx, out_dtypes, env, computed, constants):
+def evaluate_body(
+  jaxpr, consts, args, ctx: Context, env: Env, out_dtypes=None, computed=(), constants=()
+) -> list:
+  """``jaxpr`` evaluated by the interpreter in ``env``, its outputs cast to ``out_dtypes`` (None
+  entries, or None: as they come)."""
   outs = evaluate(jaxpr, consts, args, ctx, env=env, computed=computed, constants=constants)
   if out_dtypes is None:
     return outs
@@ -181,28 +185,71 @@ def restore_carries(env: Env, atoms, values: list) -> list:
   ]
 
 
-def _rewrite_call(closed, eqn, invals, env, ctx, weak: Sequence[bool] = ()):
+class BodyInputs(NamedTuple):
+  """What a higher-order eqn hands its bodies, as every mode of its rule sees it.
+
+  Attributes:
+    values: the eqn's input values, loop carries in their traced dtypes (a carry keeps the type
+      it was declared with, whatever autocast made of its initial value outside).
+    computed: which inputs are activations computed outside (``is_computed``); loop carries are,
+      by the body itself.
+    weak: which inputs follow their partner's dtype outside (a jit's fills and Python scalars,
+      ``weak_inputs``): they stay weak inside.
+  """
+
+  values: list
+  computed: tuple[bool, ...]
+  weak: tuple[bool, ...]
+
+
+def _carries(eqn) -> slice | None:
+  """Where a loop's carries are among its inputs; None for an eqn that is not a loop."""
+  p = eqn.params
+  if eqn.primitive is prims.scan_p:
+    return slice(p["num_consts"], p["num_consts"] + p["num_carry"])
+  if eqn.primitive is prims.while_p:
+    return slice(p["cond_nconsts"] + p["body_nconsts"], len(eqn.invars))
+  return None
+
+
+def body_inputs(eqn, invals: Sequence[Any], env: Env) -> BodyInputs:
+  """The ``BodyInputs`` of ``eqn`` on ``invals``: one definition for rewriting its bodies and
+  for evaluating them eagerly (``precision_report``)."""
+  values, computed = list(invals), list(computed_inputs(env, eqn.invars))
+  carries = _carries(eqn)
+  if carries is not None:
+    values[carries] = restore_carries(env, eqn.invars[carries], values[carries])
+    computed[carries] = [True] * len(values[carries])
+  if eqn.primitive in (prims.jit_p, prims.composite_p):
+    weak = weak_inputs(eqn, env)
+  else:
+    weak = [False] * len(values)
+  return BodyInputs(values, tuple(computed), tuple(weak))
+
+
+def _rewrite_call(closed, eqn, invals, env, ctx):
   """The closed jaxpr ``eqn`` calls on ``invals`` (all of its inputs), rewritten for them."""
+  inputs = body_inputs(eqn, invals, env)
   new, _ = rewrite(
     closed.jaxpr,
     closed.consts,
-    body_avals(closed.jaxpr.invars, invals, weak),
+    body_avals(closed.jaxpr.invars, inputs.values, inputs.weak),
     ctx,
     path=sub_path(env.path, eqn),
-    computed=computed_inputs(env, eqn.invars),
+    computed=inputs.computed,
     constants=known_constants(eqn.invars, ctx),
   )
   return new
 
 
 def _jit_rule(eqn, invals, env, ctx):
-  new = _rewrite_call(eqn.params["jaxpr"], eqn, invals, env, ctx, weak_inputs(eqn, env))
+  new = _rewrite_call(eqn.params["jaxpr"], eqn, invals, env, ctx)
   return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 
 def _composite_rule(eqn, invals, env, ctx):
   """A ``lax.composite`` is autocast like any call; its name and attributes stay."""
-  new = _rewrite_call(eqn.params["jaxpr"], eqn, invals, env, ctx, weak_inputs(eqn, env))
+  new = _rewrite_call(eqn.params["jaxpr"], eqn, invals, env, ctx)
   return compat.bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 
@@ -219,7 +266,7 @@ def _remat_rule(eqn, invals, env, ctx):
     body_avals(jaxpr.invars, invals),
     ctx,
     path=sub_path(env.path, eqn),
-    computed=computed_inputs(env, eqn.invars),
+    computed=body_inputs(eqn, invals, env).computed,
   )
   body, consts = compat.open_jaxpr(new)
   prevent_cse = eqn.params["prevent_cse"]
@@ -228,30 +275,29 @@ def _remat_rule(eqn, invals, env, ctx):
   return compat.bind(eqn, [*consts, *invals], dict(eqn.params, jaxpr=body, prevent_cse=prevent_cse))
 
 
+def scan_out_dtypes(eqn) -> tuple:
+  """The dtypes a scan body's outputs must keep: its carries' declared ones (stacked outputs
+  are free)."""
+  outvars = eqn.params["jaxpr"].jaxpr.outvars
+  n_carry = eqn.params["num_carry"]
+  return declared_dtypes(outvars[:n_carry]) + (None,) * (len(outvars) - n_carry)
+
+
 def _scan_rule(eqn, invals, env, ctx):
   p = eqn.params
-  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  n_consts = p["num_consts"]
   closed = p["jaxpr"]
-  carry_atoms = eqn.invars[n_consts : n_consts + n_carry]
-  invals = [
-    *invals[:n_consts],
-    *restore_carries(env, carry_atoms, invals[n_consts : n_consts + n_carry]),
-    *invals[n_consts + n_carry :],
-  ]
-  out_dtypes = declared_dtypes(closed.jaxpr.outvars[:n_carry]) + (None,) * (
-    len(closed.jaxpr.outvars) - n_carry
-  )
-  computed = list(computed_inputs(env, eqn.invars))
-  computed[n_consts : n_consts + n_carry] = [True] * n_carry  # carries are computed by the body
+  inputs = body_inputs(eqn, invals, env)
+  invals = inputs.values
   new, hoisted = rewrite(
     closed.jaxpr,
     closed.consts,
     body_avals(closed.jaxpr.invars, invals),
     ctx,
-    out_dtypes,
+    scan_out_dtypes(eqn),
     hoist=n_consts,
     path=sub_path(env.path, eqn),
-    computed=tuple(computed),
+    computed=inputs.computed,
   )
   extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
   params = dict(p, jaxpr=new, num_consts=n_consts + len(extras))
@@ -261,9 +307,10 @@ def _scan_rule(eqn, invals, env, ctx):
 def _while_rule(eqn, invals, env, ctx):
   p = eqn.params
   n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  inputs = body_inputs(eqn, invals, env)
+  invals = inputs.values
   cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
-  carry_atoms = eqn.invars[n_cond + n_body :]
-  carry = restore_carries(env, carry_atoms, invals[n_cond + n_body :])
+  carry = invals[n_cond + n_body :]
   cond, body = p["cond_jaxpr"], p["body_jaxpr"]
   new_cond, _ = rewrite(
     cond.jaxpr,
@@ -273,7 +320,6 @@ def _while_rule(eqn, invals, env, ctx):
     declared_dtypes(cond.jaxpr.outvars),
     path=sub_path(env.path, eqn, "cond"),
   )
-  computed = computed_inputs(env, eqn.invars[n_cond : n_cond + n_body]) + (True,) * len(carry)
   new_body, hoisted = rewrite(
     body.jaxpr,
     body.consts,
@@ -282,7 +328,7 @@ def _while_rule(eqn, invals, env, ctx):
     declared_dtypes(body.jaxpr.outvars),
     hoist=n_body,
     path=sub_path(env.path, eqn, "body"),
-    computed=computed,
+    computed=inputs.computed[n_cond:],
   )
   extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
   params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body, body_nconsts=n_body + len(extras))
@@ -293,7 +339,7 @@ def _cond_rule(eqn, invals, env, ctx):
   branches = eqn.params["branches"]
   operands = invals[1:]
   out_dtypes = declared_dtypes(branches[0].jaxpr.outvars)
-  computed = computed_inputs(env, eqn.invars[1:])
+  computed = body_inputs(eqn, invals, env).computed[1:]  # the index is not an operand
   new = tuple(
     rewrite(
       b.jaxpr,

@@ -8,7 +8,8 @@ category; ops without a row run in the dtypes of their inputs, as torch runs its
 
 jax and optax (dependencies, already imported) resolve at import, so a rename fails there; flax,
 Haiku and Equinox resolve at the first trace after they are imported, so registering their
-layers imports none of them. ``tests/autocast/test_library_ops.py`` resolves and exercises every entry.
+layers imports none of them. ``tests/autocast/test_library_ops.py`` resolves and exercises
+every entry.
 """
 
 _LAX_NUMPY = "jax._src.numpy.lax_numpy"  # the pad modes jnp.pad dispatches to are private

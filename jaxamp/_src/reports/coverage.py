@@ -3,7 +3,8 @@
 ``coverage(device_type, torch_op)`` answers from the tables' rows; the ops no row realises are
 listed in ``NOT_APPLICABLE`` with the reason. torch's reference has no TPU lists: ``TPU_REFERENCE``
 holds torch_xla's. ``scripts/make_coverage.py`` writes the table in
-``docs/coverage.md`` and ``tests/policies/test_coverage.py`` checks it covers every op of the reference.
+``docs/coverage.md`` and ``tests/policies/test_coverage.py`` checks it covers every op of the
+reference.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import compat
-from jaxamp._src.autocast import casting, context, higher_order, interpreter, rules
+from jaxamp._src.autocast import context, higher_order, interpreter, rules
 from jaxamp._src.autocast import transform as autocast_lib
 from jaxamp._src.policies import policy
 from jaxamp._src.policies.table import LOW_DTYPES
@@ -384,44 +384,27 @@ def _as_written_bodies(run: _Run, path: str, eqn) -> Callable:
 
 
 def _autocast_rules(run: _Run) -> context.RuleSet:
-  """``higher_order.RULES`` with the bodies of jit, checkpoint, scan, while, cond and custom
-  derivatives evaluated eagerly by the interpreter, with the dtypes the rules give them."""
+  """``higher_order.BODY_RULES`` with the bodies of jit, checkpoint, scan, while, cond and custom
+  derivatives evaluated eagerly by the interpreter on the ``higher_order.body_inputs`` the
+  rewriting rules give them (the same loop carries, computed and weak inputs)."""
 
   def rule(eager):
     def apply(eqn, invals, env, ctx):
-      computed = list(higher_order.computed_inputs(env, eqn.invars))
-      # As the rules do: a jit's weak inputs stay weak inside, loop carries are computed.
-      weak = higher_order.weak_inputs(eqn, env) if eqn.primitive is prims.jit_p else ()
-      if eqn.primitive is prims.scan_p:
-        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-        carry = slice(n_consts, n_consts + n_carry)
-        invals = list(invals)
-        invals[carry] = higher_order.restore_carries(env, eqn.invars[carry], invals[carry])
-        computed[carry] = [True] * n_carry
-      elif eqn.primitive is prims.while_p:
-        n_consts = eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]
-        invals = list(invals)
-        invals[n_consts:] = higher_order.restore_carries(
-          env, eqn.invars[n_consts:], invals[n_consts:]
-        )
-        computed[n_consts:] = [True] * (len(invals) - n_consts)
+      given = higher_order.body_inputs(eqn, invals, env)
 
       def evaluate(body, consts, args, part, out_dtypes=None, inputs=None):
         inner = _env(ctx, higher_order.sub_path(env.path, eqn, part))
-        flags = ()
+        computed = ()
         if inputs is not None:  # which eqn inputs the body's invars are, for facts about them
           inputs = list(inputs)
-          flags = [computed[i] for i in inputs]
-          if weak:
-            inner.facts.weak.update(v for v, i in zip(body.invars, inputs, strict=True) if weak[i])
-        outs = interpreter.evaluate(body, consts, args, ctx, env=inner, computed=flags)
-        if out_dtypes is None:
-          return outs
-        return [casting.as_dtype(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
+          computed = tuple(given.computed[i] for i in inputs)
+          weak = (v for v, i in zip(body.invars, inputs, strict=True) if given.weak[i])
+          inner.facts.weak.update(weak)
+        return higher_order.evaluate_body(body, consts, args, ctx, inner, out_dtypes, computed)
 
       run.outer.append(eqn)
       try:
-        outs = eager(run, eqn, invals, evaluate)
+        outs = eager(run, eqn, given.values, evaluate)
       finally:
         run.outer.pop()
       if outs is None:  # nothing to evaluate eagerly (an empty scan): the usual rule
@@ -461,9 +444,7 @@ def _scan(run, eqn, invals, evaluate) -> list | None:
   consts = invals[:n_consts]
   carry = invals[n_consts : n_consts + n_carry]
   xs = invals[n_consts + n_carry :]
-  out_dtypes = higher_order.declared_dtypes(body.jaxpr.outvars[:n_carry]) + (None,) * (
-    len(body.jaxpr.outvars) - n_carry
-  )
+  out_dtypes = higher_order.scan_out_dtypes(eqn)
   ys: list = [None] * length
   for step in reversed(range(length)) if p["reverse"] else range(length):
     run.loops.append(step)
