@@ -9,13 +9,18 @@ cotangents a custom_vjp's backward returns come back in its inputs' dtypes. The 
 JAX shows them: a custom_vjp's ``fwd`` which inputs are perturbed, ``symbolic_zeros`` rules their
 symbolic zeros. A custom_vjp whose ``fwd`` rule or primal is a ``custom_fwd(cast_inputs=...)``
 function is that one region as a whole.
+
+In eager mode (``eager_body_rules``, for ``precision_report``) the same rules evaluate the bodies
+on concrete values instead of rewriting them: a scan or while step by step, a cond by the branch
+taken, with the inputs ``body_inputs`` gives either mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -593,6 +598,128 @@ def _dtype_marker(dtype) -> jax.Array:
   """A zero-size array that carries ``dtype`` from ``fwd`` to ``bwd`` (a residual's leaves are
   arrays); a dtype autocast never casts to is carried as bool."""
   return jnp.zeros((0,), dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.bool_)
+
+
+# --- eager mode: bodies evaluated on concrete values (precision_report) ---------------------------
+#
+# ``EAGER_BODIES[primitive](eqn, values, evaluate)`` evaluates ``eqn``'s bodies on the concrete
+# ``values`` of its inputs, as the primitive would run them (a scan or while step by step, a cond
+# by the branch taken), and returns its outputs, or None where there is nothing to evaluate (an
+# empty scan). ``evaluate`` (a ``BodyEvaluator``) evaluates one body: as written, or autocast by
+# ``eager_body_rules``.
+
+
+class BodyEvaluator(Protocol):
+  def __call__(
+    self, body, consts, args, part: str, out_dtypes=None, inputs=None, step: int | None = None
+  ) -> list:
+    """``body`` (an open jaxpr) on ``args``: at ``part`` of the eqn (for paths), its outputs
+    cast to ``out_dtypes``, its invars being the eqn inputs ``inputs`` (indices), at loop step
+    ``step``."""
+
+
+def _eager_call(param: str):
+  def call(eqn, values, evaluate: BodyEvaluator) -> list:
+    body = eqn.params[param]
+    consts = ()
+    if isinstance(body, compat.ClosedJaxpr):
+      body, consts = body.jaxpr, body.consts
+    return evaluate(body, consts, values, "", inputs=range(len(values)))
+
+  return call
+
+
+def _eager_scan(eqn, values, evaluate: BodyEvaluator) -> list | None:
+  p = eqn.params
+  n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+  if length == 0:
+    return None
+  body = p["jaxpr"]
+  consts, carry = values[:n_consts], values[n_consts : n_consts + n_carry]
+  xs = values[n_consts + n_carry :]
+  ys: list = [None] * length
+  for step in reversed(range(length)) if p["reverse"] else range(length):
+    args = [*consts, *carry, *(x[step] for x in xs)]
+    outs = evaluate(
+      body.jaxpr, body.consts, args, "", scan_out_dtypes(eqn), range(len(values)), step
+    )
+    carry, ys[step] = outs[:n_carry], outs[n_carry:]
+  return [*carry, *(jnp.stack(column) for column in zip(*ys, strict=True))]
+
+
+def _eager_while(eqn, values, evaluate: BodyEvaluator) -> list:
+  p = eqn.params
+  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  cond_consts, body_consts = values[:n_cond], values[n_cond : n_cond + n_body]
+  carry = values[n_cond + n_body :]
+  step = 0
+  while True:
+    args = [*cond_consts, *carry]
+    out_dtypes = declared_dtypes(cond.jaxpr.outvars)
+    (go,) = evaluate(cond.jaxpr, cond.consts, args, "cond", out_dtypes, step=step)
+    if not bool(go):
+      return list(carry)
+    args = [*body_consts, *carry]
+    out_dtypes = declared_dtypes(body.jaxpr.outvars)
+    inputs = range(n_cond, len(values))
+    carry = evaluate(body.jaxpr, body.consts, args, "body", out_dtypes, inputs, step)
+    step += 1
+
+
+def _eager_cond(eqn, values, evaluate: BodyEvaluator) -> list:
+  branches = eqn.params["branches"]
+  index = min(max(int(values[0]), 0), len(branches) - 1)
+  branch = branches[index]
+  out_dtypes = declared_dtypes(branches[0].jaxpr.outvars)
+  inputs = range(1, len(values))
+  return evaluate(branch.jaxpr, branch.consts, values[1:], f"branch{index}", out_dtypes, inputs)
+
+
+# The primal body of a custom derivative is what runs (and what autocast rewrites) when nothing
+# is differentiated.
+EAGER_BODIES: dict[Any, Callable[..., list | None]] = {
+  prims.jit_p: _eager_call("jaxpr"),
+  prims.closed_call_p: _eager_call("call_jaxpr"),
+  prims.remat_p: _eager_call("jaxpr"),
+  prims.scan_p: _eager_scan,
+  prims.while_p: _eager_while,
+  prims.cond_p: _eager_cond,
+  prims.custom_jvp_call_p: _eager_call("call_jaxpr"),
+  prims.custom_vjp_call_p: _eager_call("call_jaxpr"),
+}
+
+
+def eager_body_rules(
+  make_env: Callable[[Context, str], Env],
+  entered: Callable[[Any, int | None], contextlib.AbstractContextManager],
+) -> dict[Any, rules.BodyRule]:
+  """``BODY_RULES`` in eager mode: the bodies of ``EAGER_BODIES``' primitives evaluated by the
+  interpreter on concrete values, given the ``body_inputs`` the rewriting rules give them; the
+  other primitives (shard_map, linear_solve) rewritten as usual. ``make_env(ctx, path)`` makes
+  each body's ``Env``; ``entered(eqn, step)`` is entered around each body's evaluation."""
+
+  def eager_rule(eager):
+    def rule(eqn, invals, env, ctx):
+      given = body_inputs(eqn, invals, env)
+
+      def evaluate(body, consts, args, part, out_dtypes=None, inputs=None, step=None):
+        inner = make_env(ctx, sub_path(env.path, eqn, part))
+        computed = ()
+        if inputs is not None:  # which eqn inputs the body's invars are, for facts about them
+          inputs = list(inputs)
+          computed = tuple(given.computed[i] for i in inputs)
+          weak = (v for v, i in zip(body.invars, inputs, strict=True) if given.weak[i])
+          inner.facts.weak.update(weak)
+        with entered(eqn, step):
+          return evaluate_body(body, consts, args, ctx, inner, out_dtypes, computed)
+
+      outs = eager(eqn, given.values, evaluate)
+      return BODY_RULES[eqn.primitive](eqn, invals, env, ctx) if outs is None else outs
+
+    return rule
+
+  return {**BODY_RULES, **{primitive: eager_rule(e) for primitive, e in EAGER_BODIES.items()}}
 
 
 # Higher-order primitive -> its body rule: each rewrites its bodies and re-binds the primitive.

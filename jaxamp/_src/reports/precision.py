@@ -29,11 +29,12 @@ and effectful primitives (callbacks, prints) run once per program.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import pathlib
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -323,6 +324,19 @@ class _Run:
     self.sites: dict[tuple, _Site] = {}
     self.outer: list = []
 
+  @contextlib.contextmanager
+  def entered(self, eqn, step: int | None) -> Iterator[None]:
+    """Within: a body of ``eqn`` is evaluated (at loop step ``step``, None outside loops)."""
+    self.outer.append(eqn)
+    if step is not None:
+      self.loops.append(step)
+    try:
+      yield
+    finally:
+      if step is not None:
+        self.loops.pop()
+      self.outer.pop()
+
   def key(self, path: str, eqn) -> tuple:
     """The eqn's evaluation now, the same in both programs while they take the same branches."""
     where = (path, id(eqn), tuple(self.loops))
@@ -334,7 +348,7 @@ class _Run:
     """The interpreter's recorder: compares one eqn of the autocast program."""
     if any(isinstance(v, jax.core.Tracer) for v in outs):
       return  # inside a body traced by a higher-order rule not evaluated eagerly (shard_map)
-    if eqn.primitive in _EAGER and ruling.rule is not rules.Decider.KEPT:
+    if eqn.primitive in higher_order.EAGER_BODIES and ruling.rule is not rules.Decider.KEPT:
       return  # its body's eqns are reported one by one
     reference = self.reference.pop(self.key(path, eqn), None)
     site = self.sites.get((path, id(eqn)))
@@ -363,10 +377,10 @@ def _evaluate_as_written(run: _Run, jaxpr, consts, args, path: str) -> list:
   values.update(zip(jaxpr.invars, args, strict=True))
   for eqn in jaxpr.eqns:
     invals = [read(a) for a in eqn.invars]
-    eager = _EAGER.get(eqn.primitive)
+    eager = higher_order.EAGER_BODIES.get(eqn.primitive)
     outs = None
     if eager is not None:
-      outs = eager(run, eqn, invals, _as_written_bodies(run, path, eqn))
+      outs = eager(eqn, invals, _as_written_bodies(run, path, eqn))
     if outs is None:
       outs = compat.bind(eqn, invals)
     run.reference[run.key(path, eqn)] = outs
@@ -374,160 +388,21 @@ def _evaluate_as_written(run: _Run, jaxpr, consts, args, path: str) -> list:
   return [read(v) for v in jaxpr.outvars]
 
 
-def _as_written_bodies(run: _Run, path: str, eqn) -> Callable:
-  """The ``evaluate`` the higher-order functions below take, for the program as written."""
+def _as_written_bodies(run: _Run, path: str, eqn) -> higher_order.BodyEvaluator:
+  """The body evaluator of ``higher_order.EAGER_BODIES`` for the program as written."""
 
-  def evaluate(body, consts, args, part, out_dtypes=None, inputs=None):
-    return _evaluate_as_written(run, body, consts, args, higher_order.sub_path(path, eqn, part))
+  def evaluate(body, consts, args, part, out_dtypes=None, inputs=None, step=None):
+    with run.entered(eqn, step):
+      return _evaluate_as_written(run, body, consts, args, higher_order.sub_path(path, eqn, part))
 
   return evaluate
 
 
 def _autocast_rules(run: _Run) -> context.RuleSet:
-  """``higher_order.BODY_RULES`` with the bodies of jit, checkpoint, scan, while, cond and custom
-  derivatives evaluated eagerly by the interpreter on the ``higher_order.body_inputs`` the
-  rewriting rules give them (the same loop carries, computed and weak inputs)."""
-
-  def rule(eager):
-    def apply(eqn, invals, env, ctx):
-      given = higher_order.body_inputs(eqn, invals, env)
-
-      def evaluate(body, consts, args, part, out_dtypes=None, inputs=None):
-        inner = _env(ctx, higher_order.sub_path(env.path, eqn, part))
-        computed = ()
-        if inputs is not None:  # which eqn inputs the body's invars are, for facts about them
-          inputs = list(inputs)
-          computed = tuple(given.computed[i] for i in inputs)
-          weak = (v for v, i in zip(body.invars, inputs, strict=True) if given.weak[i])
-          inner.facts.weak.update(weak)
-        return higher_order.evaluate_body(body, consts, args, ctx, inner, out_dtypes, computed)
-
-      run.outer.append(eqn)
-      try:
-        outs = eager(run, eqn, given.values, evaluate)
-      finally:
-        run.outer.pop()
-      if outs is None:  # nothing to evaluate eagerly (an empty scan): the usual rule
-        return higher_order.BODY_RULES[eqn.primitive](eqn, invals, env, ctx)
-      return outs
-
-    return apply
-
-  table = dict(higher_order.BODY_RULES)
-  table.update({primitive: rule(eager) for primitive, eager in _EAGER.items()})
-  return rules.rule_set(table)
-
-
-# --- higher-order primitives on concrete values --------------------------------------------------
-#
-# Each takes (run, eqn, input values, evaluate) and returns the outputs, or None to bind the eqn
-# instead. ``evaluate(body, consts, args, part, out_dtypes=None, inputs=None)`` evaluates an open
-# jaxpr at the path of ``eqn``'s ``part``, its outputs cast to ``out_dtypes``; ``inputs`` are the
-# indices of the eqn inputs its invars receive (for the autocast program's facts about them).
-
-
-def _call(run, eqn, invals, evaluate, param: str) -> list:
-  body = eqn.params[param]
-  if isinstance(body, compat.ClosedJaxpr):
-    body, consts = body.jaxpr, body.consts
-  else:
-    consts = ()
-  return evaluate(body, consts, invals, "", inputs=range(len(invals)))
-
-
-def _scan(run, eqn, invals, evaluate) -> list | None:
-  p = eqn.params
-  n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
-  if length == 0:
-    return None
-  body = p["jaxpr"]
-  consts = invals[:n_consts]
-  carry = invals[n_consts : n_consts + n_carry]
-  xs = invals[n_consts + n_carry :]
-  out_dtypes = higher_order.scan_out_dtypes(eqn)
-  ys: list = [None] * length
-  for step in reversed(range(length)) if p["reverse"] else range(length):
-    run.loops.append(step)
-    try:
-      outs = evaluate(
-        body.jaxpr,
-        body.consts,
-        [*consts, *carry, *(x[step] for x in xs)],
-        "",
-        out_dtypes,
-        inputs=range(len(invals)),
-      )
-    finally:
-      run.loops.pop()
-    carry, ys[step] = outs[:n_carry], outs[n_carry:]
-  stacked = [jnp.stack(column) for column in zip(*ys, strict=True)]
-  return [*carry, *stacked]
-
-
-def _while(run, eqn, invals, evaluate) -> list:
-  p = eqn.params
-  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
-  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
-  cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
-  carry = invals[n_cond + n_body :]
-  n = len(invals)
-  step = 0
-  while True:
-    run.loops.append(step)
-    try:
-      (go,) = evaluate(
-        cond.jaxpr,
-        cond.consts,
-        [*cond_consts, *carry],
-        "cond",
-        higher_order.declared_dtypes(cond.jaxpr.outvars),
-      )
-      if not bool(go):
-        break
-      carry = evaluate(
-        body.jaxpr,
-        body.consts,
-        [*body_consts, *carry],
-        "body",
-        higher_order.declared_dtypes(body.jaxpr.outvars),
-        inputs=range(n_cond, n),
-      )
-    finally:
-      run.loops.pop()
-    step += 1
-  return list(carry)
-
-
-def _cond(run, eqn, invals, evaluate) -> list:
-  branches = eqn.params["branches"]
-  index = min(max(int(invals[0]), 0), len(branches) - 1)
-  branch = branches[index]
-  return evaluate(
-    branch.jaxpr,
-    branch.consts,
-    invals[1:],
-    f"branch{index}",
-    higher_order.declared_dtypes(branches[0].jaxpr.outvars),
-    inputs=range(1, len(invals)),
-  )
-
-
-def _custom_derivative(run, eqn, invals, evaluate) -> list:
-  """The primal body, which is what runs (and what autocast rewrites) when nothing is
-  differentiated."""
-  return _call(run, eqn, invals, evaluate, "call_jaxpr")
-
-
-_EAGER: dict[Any, Callable] = {
-  prims.jit_p: lambda *a: _call(*a, "jaxpr"),
-  prims.closed_call_p: lambda *a: _call(*a, "call_jaxpr"),
-  prims.remat_p: lambda *a: _call(*a, "jaxpr"),
-  prims.scan_p: _scan,
-  prims.while_p: _while,
-  prims.cond_p: _cond,
-  prims.custom_jvp_call_p: _custom_derivative,
-  prims.custom_vjp_call_p: _custom_derivative,
-}
+  """The interpreter's rules with the higher-order rules in eager mode
+  (``higher_order.eager_body_rules``): each body evaluated on concrete values, its eqns recorded
+  one by one, at the loop step and inside the eqns ``run`` tracks."""
+  return rules.rule_set(higher_order.eager_body_rules(_env, run.entered))
 
 
 # --- errors --------------------------------------------------------------------------------------
