@@ -240,29 +240,44 @@ def _transpose_other(ct, other, tangent, *, matmul, params, position, low) -> An
 
 def _transpose_tangent(ct, other, tangent, *, matmul, params, position, low) -> Any:
   """The float32 cotangent of the cast operand: the matmul of the 16-bit cotangent and operand,
-  with a float32 result (JAX's transpose of the matmul with ``preferred_element_type``)."""
+  with a float32 result (JAX's transpose of the matmul with ``preferred_element_type``).
 
-  def transposed(ct, other, result_dtype=FLOAT32):
-    return _transposed(matmul, params, position, result_dtype, ct, other, tangent)
-
+  For a dot, traced once per signature (``compat.staged``): every layer of a deep model
+  transposes the same few dots, and the bfloat16 one traces both platforms' branches."""
   if matmul is not p.dot_general_p:
-    return transposed(ct, other)
+    return _transposed(matmul, params, position, ct, other, tangent)
+  if any(_explicitly_sharded(x) for x in (ct, other, tangent)):
+    # The cached transposes are typed without shardings: JAX's own transpose, traced here.
+    transposed = functools.partial(_transposed, matmul, params, position, tangent=tangent)
+    return _by_platform(transposed, params, low, ct, other)
+  key = (matmul, params, position, low, _aval_key(ct), _aval_key(other), _aval_key(tangent))
+  return compat.staged(("weight_grads.transpose", *key), lambda: _unfolded_cotangent(*key))(
+    ct, other
+  )
+
+
+def _unfolded_cotangent(matmul, params, position, low, ct_key, other_key, tangent_key) -> Callable:
+  """``(ct, other) -> `` the cotangent of the cast operand, each matmul's output transpose kept
+  out of the matmul (``unfolded_p``)."""
 
   def unfolded(ct, other, result_dtype=FLOAT32):
     closed, outputs = _unfolded_transpose(
-      matmul, params, position, result_dtype, _aval_key(ct), _aval_key(other), _aval_key(tangent)
+      matmul, params, position, result_dtype, ct_key, other_key, tangent_key
     )
     return _evaluate(closed, (ct, other, None), outputs)
 
-  if any(_explicitly_sharded(x) for x in (ct, other, tangent)):
-    unfolded = transposed  # the cached transpose is typed without shardings: JAX's own
+  return functools.partial(_by_platform, unfolded, params, low)
+
+
+def _by_platform(transposed: Callable, params, low, ct, other) -> Any:
+  """``transposed(ct, other, result_dtype)`` with a float32 result; on XLA:CPU a bfloat16 weight
+  gradient keeps its 16-bit result: XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot
+  (YNNPACK takes some, its fallback none), and widens bfloat16 all-reduces to float32 itself."""
   if low != jnp.bfloat16:
-    return unfolded(ct, other)
-  # On XLA:CPU, a bfloat16 weight gradient keeps its 16-bit result: XLA:CPU cannot run every
-  # bfloat16 x bfloat16 -> float32 dot (YNNPACK takes some, its fallback none), and widens
-  # bfloat16 all-reduces to float32 itself.
-  cpu = functools.partial(unfolded, result_dtype=dict(params)["preferred_element_type"])
-  return lax.platform_dependent(ct, other, cpu=cpu, default=unfolded)
+    return transposed(ct, other, result_dtype=FLOAT32)
+  cpu = functools.partial(transposed, result_dtype=dict(params)["preferred_element_type"])
+  default = functools.partial(transposed, result_dtype=FLOAT32)
+  return lax.platform_dependent(ct, other, cpu=cpu, default=default)
 
 
 # The identity, lowered for XLA:CPU as an optimization barrier: XLA:CPU folds a transpose of a
@@ -271,7 +286,7 @@ def _transpose_tangent(ct, other, tangent, *, matmul, params, position, low) -> 
 unfolded_p = compat.platform_identity("jaxamp_unfolded", "cpu", lax.optimization_barrier)
 
 
-def _transposed(matmul, params, position, result_dtype, ct, other, tangent) -> Any:
+def _transposed(matmul, params, position, ct, other, tangent, result_dtype=FLOAT32) -> Any:
   """JAX's transpose of the matmul in its cast operand at ``ct``, with a ``result_dtype``
   result; of ``tangent`` only the type is read."""
   result_params = dict(params, preferred_element_type=result_dtype)
@@ -301,7 +316,7 @@ def _aval_key(value) -> tuple:
 def _unfolded_transpose(matmul, params, position, result_dtype, ct, other, tangent):
   """The cotangent of the cast operand as a jaxpr of ``(ct, other, tangent)``, and the indices
   of its matmuls whose outputs it transposes, to be passed through ``unfolded_p``."""
-  transposed = functools.partial(_transposed, matmul, params, position, result_dtype)
+  transposed = functools.partial(_transposed, matmul, params, position, result_dtype=result_dtype)
   structs = (jax.ShapeDtypeStruct(*key) for key in (ct, other, tangent))
   closed = jax.make_jaxpr(transposed)(*structs)
   producers = {eqn.outvars[0]: index for index, eqn in enumerate(closed.jaxpr.eqns)}
