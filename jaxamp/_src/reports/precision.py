@@ -330,7 +330,7 @@ class _Run:
     self.seen[where] += 1
     return (*where, occurrence)
 
-  def record(self, path, eqn, ruling, ran_on, outs, casts, amp_policy) -> None:
+  def record(self, path, eqn, ruling, ran_on, outs, casts, amp_policy, override=None) -> None:
     """The interpreter's recorder: compares one eqn of the autocast program."""
     if any(isinstance(v, jax.core.Tracer) for v in outs):
       return  # inside a body traced by a higher-order rule not evaluated eagerly (shard_map)
