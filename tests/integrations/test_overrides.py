@@ -20,6 +20,7 @@ from jaxpr_utils import dtypes_of, traced
 from real_world import equinox_examples, flax_lm1b, flax_nnx_mnist, flax_resnet
 
 import jaxamp
+from jaxamp._src.autocast import higher_order
 
 pytestmark = pytest.mark.filterwarnings(
   "ignore:SelfAttention will be deprecated:DeprecationWarning"
@@ -220,6 +221,29 @@ def test_an_nnx_module_class_runs_its_calls_in_float32():
   assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}
 
 
+def test_an_nnx_attribute_path_runs_that_submodule_in_float32():
+  model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))
+  batch = flax_nnx_mnist.get_fake_batch(8)
+  decisions = explained(
+    flax_nnx_mnist.loss_fn, model, batch, nnx.Rngs(dropout=1), overrides={"linear2": jnp.float32}
+  )
+  assert matmuls(decisions, "linear2") == [("linear2", (F32, F32))]
+  assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}  # conv1, conv2, linear1
+
+
+def test_an_nnx_model_under_overrides_keeps_its_state_updates_and_classes():
+  model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))
+  batch = flax_nnx_mnist.get_fake_batch(8)
+  call = nnx.Linear.__call__
+  before = model.batch_norm1.mean.get_value()
+  step = jaxamp.autocast(flax_nnx_mnist.loss_fn, device_type="cuda", overrides={"linear2": None})
+  loss, logits = step(model, batch, nnx.Rngs(dropout=1))
+  assert logits.dtype == jnp.float32  # linear2 ran as written
+  assert not jnp.array_equal(model.batch_norm1.mean.get_value(), before)
+  assert model.batch_norm1.mean.get_value().dtype == jnp.float32
+  assert nnx.Linear.__call__ is call  # the scopes were added for the trace only
+
+
 def test_an_autocast_module_keeps_its_overrides_through_tree_operations():
   model = equinox_examples.CNN(jax.random.key(0))
   wrapped = jaxamp.autocast(model, device_type="cuda", overrides={eqx.nn.Linear: None})
@@ -247,6 +271,22 @@ def test_different_overrides_of_one_function_are_not_served_from_one_cache_entry
   )
 
 
+def test_one_body_in_places_an_override_treats_alike_is_rewritten_once():
+  body = jax.jit(lambda v, w: jnp.tanh(v @ w))
+  w = jnp.full((8, 8), 0.1)
+
+  def f(x):
+    outs = []
+    for i in range(4):
+      with jax.named_scope(f"block_{i}"):
+        outs.append(body(x, w))
+    return outs
+
+  jaxamp.clear_caches()
+  jaxamp.autocast(f, device_type="cuda", overrides={"block_*": jnp.bfloat16})(jnp.ones((2, 8)))
+  assert len(higher_order._rewrites) == 1
+
+
 # --- errors that teach -------------------------------------------------------------------------
 
 
@@ -265,11 +305,26 @@ def test_a_class_whose_call_never_runs_lists_the_classes_that_ran():
     )
 
 
-def test_a_name_pattern_on_an_nnx_model_points_to_class_keys():
+def test_a_pattern_on_a_function_without_scopes_points_to_named_scopes_and_class_keys():
+  with pytest.raises(ValueError, match=r"no scope.*jax.named_scope.*class"):
+    jaxamp.autocast(lambda x: x @ x, device_type="cuda", overrides={"layers": None})(
+      jnp.ones((2, 2))
+    )
+
+
+def test_an_equinox_layer_is_matched_by_the_scope_equinox_gives_it():
+  model = equinox_examples.CNN(jax.random.key(0))
+  x, y = jnp.ones((4, 1, 28, 28)), jnp.zeros((4,), jnp.int32)
+  decisions = explained(equinox_examples.loss, model, x, y, overrides={"eqx.nn.Conv": None})
+  assert {i for _, i in matmuls(decisions, "eqx.nn.Conv")} == {(F32, F32)}
+  assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}
+
+
+def test_an_unknown_nnx_attribute_path_lists_the_submodules():
   model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))
   batch = flax_nnx_mnist.get_fake_batch(8)
-  with pytest.raises(ValueError, match=r"no scope.*nnx.Linear"):
-    jaxamp.autocast(flax_nnx_mnist.loss_fn, device_type="cuda", overrides={"linear2": None})(
+  with pytest.raises(ValueError, match=r"'linear3' matches no scope.*nearest first: 'linear2'"):
+    jaxamp.autocast(flax_nnx_mnist.loss_fn, device_type="cuda", overrides={"linear3": None})(
       model, batch, nnx.Rngs(dropout=1)
     )
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxamp._src import compat
 from jaxamp._src.autocast import casting, dataflow, op_calls, regions
-from jaxamp._src.autocast.overrides import Overrides, place
+from jaxamp._src.autocast.overrides import OUTSIDE, Overrides, Scope
 from jaxamp._src.policies.policy import Policy
 
 # Every rule: (eqn, the Env of its jaxpr, Context) -> ``rules.Applied`` (outputs, ruling, the
@@ -73,20 +73,20 @@ class Context(NamedTuple):
     rules: the rules.
     op: the enclosing op region, whose inside runs natively.
     overrides: ``autocast``'s overrides by place (``overrides.Overrides``), if any.
-    scope: the scopes of the enclosing eqns, outermost first, where there are overrides.
+    scope: where the evaluated jaxpr sits, as far as the overrides can tell.
   """
 
   policy: Policy
   rules: RuleSet
   op: regions.OpRegion | None = None
   overrides: Overrides | None = None
-  scope: tuple[str, ...] = ()
+  scope: Scope = OUTSIDE
 
   def within(self, eqn) -> Context:
-    """The context of ``eqn``'s bodies: its scopes added, where overrides match by scope."""
+    """The context of ``eqn``'s bodies: their scope, where there are overrides."""
     if self.overrides is None:
       return self
-    return self._replace(scope=self.scope + place(eqn))
+    return self._replace(scope=self.overrides.enter(self.scope, eqn))
 
 
 # ``explain`` installs a recorder: (path, eqn, ruling, values run on, outputs, converts, policy,

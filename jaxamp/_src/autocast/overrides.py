@@ -1,11 +1,12 @@
 """Overrides by place: parts of a model that run under another policy, or with autocast off.
 
 ``autocast(f, overrides={"router": jnp.float32, "block_3": None, eqx.nn.MultiheadAttention:
-jnp.bfloat16})`` finds the parts by the scopes an eqn was traced under (its name stack: flax linen
-and Haiku module names, ``jax.named_scope``) or, for a key that is a class, by the class's
-``__call__`` in the eqn's traceback (Equinox and nnx modules, which put no names on the stack),
-the way ``regions`` recognises library functions. An overridden eqn gets its override's policy;
-``None`` (or ``jnp.float32``) makes it a kept region, as ``autocast_disabled()`` does.
+jnp.bfloat16})`` finds the parts by the scopes an eqn was traced under (its name stack: flax
+linen and Haiku module names, Equinox layer scopes, ``jax.named_scope``; nnx modules passed as
+arguments are traced under scopes of their attribute paths, ``nnx_modules.named_calls``) or, for
+a key that is a class, by the class's ``__call__`` in the eqn's traceback, the way ``regions``
+recognises library functions. An overridden eqn gets its override's policy; ``None`` (or
+``jnp.float32``) makes it a kept region, as ``autocast_disabled()`` does.
 """
 
 from __future__ import annotations
@@ -47,21 +48,52 @@ class Override(NamedTuple):
     return self.key if isinstance(self.key, str) else self.key.__qualname__
 
 
+class Scope(NamedTuple):
+  """Where a body sits, as far as overrides can tell: what matching inside it needs to know.
+
+  Attributes:
+    tail: the last scopes of the enclosing eqns that a pattern may continue from inside the
+      body (usually none: then bodies in different places share one rewrite).
+    inherited: the override of the enclosing eqns, for the body's eqns that match none deeper.
+  """
+
+  tail: tuple[str, ...] = ()
+  inherited: Override | None = None
+
+
+OUTSIDE = Scope()
+
+
 class Overrides(NamedTuple):
   """A mapping's overrides, in its order; hashable, so a ``Context`` holding them keys caches."""
 
   entries: tuple[Override, ...]
 
-  def decide(self, scope: tuple[str, ...], eqn) -> Override | None:
-    """The override of ``eqn`` traced under the enclosing eqns' ``scope``: the one matching
-    deepest (a pattern by the scope it ends at, a class by its call's depth), the later in the
-    mapping on a tie; None if none matches."""
-    codes = tuple(code for code, _ in compat.traceback_code_frames(eqn)) if self._by_type else ()
-    return _decide(self, scope + place(eqn), codes)
+  def decide(self, scope: Scope, eqn) -> Override | None:
+    """The override of ``eqn`` in a body at ``scope``: the one matching deepest (a pattern by
+    the scope it ends at, past the enclosing ones; a class by its call's depth), the later in
+    the mapping on a tie; else the enclosing eqns' own."""
+    return _decide(self, scope, place(eqn), self._codes(eqn))
+
+  def enter(self, scope: Scope, eqn) -> Scope:
+    """The scope of ``eqn``'s bodies: its override, and the scopes a pattern may continue from."""
+    own = place(eqn)
+    if not own:
+      return scope
+    full = scope.tail + own
+    reach = max((_partial(e.pattern, full) for e in self.entries if e.code is None), default=0)
+    inherited = _decide(self, scope, own, self._codes(eqn))
+    return Scope(full[len(full) - reach :], inherited)
+
+  def _codes(self, eqn) -> tuple:
+    if not any(entry.code is not None for entry in self.entries):
+      return ()
+    return tuple(code for code, _ in compat.traceback_code_frames(eqn))
 
   @property
-  def _by_type(self) -> bool:
-    return any(entry.code is not None for entry in self.entries)
+  def by_scope(self) -> bool:
+    """Whether some override names a scope (nnx modules then trace under their paths)."""
+    return any(entry.code is None for entry in self.entries)
 
 
 def place(eqn) -> tuple[str, ...]:
@@ -70,13 +102,16 @@ def place(eqn) -> tuple[str, ...]:
 
 
 @caches.lru_cache("overrides.decide", maxsize=4096)
-def _decide(overrides: Overrides, path: tuple[str, ...], codes: tuple) -> Override | None:
+def _decide(
+  overrides: Overrides, scope: Scope, own: tuple[str, ...], codes: tuple
+) -> Override | None:
+  path, outer = scope.tail + own, len(scope.tail)
   best, depth = None, -1
   for entry in overrides.entries:
     found = _depth(entry, path, codes)
-    if found is not None and found >= depth:
+    if found is not None and found >= depth and (entry.code is not None or found > outer):
       best, depth = entry, found
-  return best
+  return best if best is not None else scope.inherited
 
 
 def _depth(entry: Override, path: tuple[str, ...], codes: tuple) -> int | None:
@@ -90,6 +125,16 @@ def _depth(entry: Override, path: tuple[str, ...], codes: tuple) -> int | None:
     if all(fnmatch.fnmatchcase(s, p) for s, p in zip(window, entry.pattern, strict=True)):
       return end
   return None
+
+
+def _partial(pattern: tuple[str, ...], path: tuple[str, ...]) -> int:
+  """The most scopes at the end of ``path`` that match the start of ``pattern``, short of all of
+  it: how much of ``path`` a match continuing past it needs."""
+  for size in range(min(len(pattern) - 1, len(path)), 0, -1):
+    window = path[len(path) - size :]
+    if all(fnmatch.fnmatchcase(s, p) for s, p in zip(window, pattern, strict=False)):
+      return size
+  return 0
 
 
 def make(overrides: Mapping | None, base: Policy) -> Overrides | None:
@@ -166,9 +211,11 @@ def check_matched(overrides: Overrides, closed) -> None:
   if overrides in seen:
     return
   places, codes = set(), set()
+  by_type = any(entry.code is not None for entry in overrides.entries)
   for path, eqn in _walk(closed.jaxpr, ()):
     places.add(path)
-    codes.update(code for code, _ in compat.traceback_code_frames(eqn))
+    if by_type:
+      codes.update(code for code, _ in compat.traceback_code_frames(eqn))
   for entry in overrides.entries:
     if entry.code is not None:
       if entry.code not in codes:
@@ -191,9 +238,10 @@ def _no_scope(entry: Override, places: set) -> str:
   scopes = sorted({"/".join(path[: i + 1]) for path in places for i in range(len(path))})
   if not scopes:
     return (
-      f"The override {entry.key!r} matches no scope: the function traces none (an nnx or "
-      "Equinox model puts no module names on the name stack). Key the override by the module's "
-      "class (overrides={nnx.Linear: jnp.float32}), or name a part with jax.named_scope."
+      f"The override {entry.key!r} matches no scope: the function traces none (plain JAX code, "
+      "or an nnx model it closes over rather than takes as an argument). Name a part with "
+      "jax.named_scope, or key the override by a module's class (overrides={nnx.Linear: "
+      "jnp.float32}: what its __call__ traces)."
     )
   nearest = difflib.get_close_matches(entry.key, scopes, n=len(scopes), cutoff=0.0)[:12]
   more = f" (and {len(scopes) - len(nearest)} more)" if len(scopes) > len(nearest) else ""

@@ -62,14 +62,14 @@ def autocast(
     policy: a ``jaxamp.Policy`` (``jaxamp.policy("cuda").with_rules({...})``) instead of
       ``device_type`` and ``dtype``, which it carries.
     overrides: parts of ``fun`` run otherwise, without editing it: ``{place: value}``. A place
-      is a scope pattern matched against the name stack (flax linen and Haiku module names,
+      is a scope pattern matched against the name stack (flax linen and Haiku module names, nnx
+      attribute paths of modules passed as arguments, Equinox layer scopes,
       ``jax.named_scope``): ``"router"``, ``"decoder/block_3"``, globs ``"block_*"``, anywhere
-      in the stack; or a module class (Equinox, nnx, any), matching what its ``__call__``
-      traces. A value is None or ``jnp.float32`` (autocast off there, as
-      ``autocast_disabled()``), a lower-precision dtype (autocast to it there) or a
-      ``jaxamp.Policy``. Where several match, the deepest decides. A place that matches
-      nothing raises a ``ValueError`` listing those that exist; ``explain`` shows which
-      override decided each eqn.
+      in the stack; or a module class, matching what its ``__call__`` traces. A value is None
+      or ``jnp.float32`` (autocast off there, as ``autocast_disabled()``), a lower-precision
+      dtype (autocast to it there) or a ``jaxamp.Policy``. Where several match, the deepest
+      decides. A place that matches nothing raises a ``ValueError`` listing those that exist;
+      ``explain`` shows which override decided each eqn.
 
   Returns:
     A function with ``fun``'s signature whose outputs have the dtypes the policy produced,
@@ -202,7 +202,8 @@ def _run(
       return fun(*args, **kwargs)
     if nnx_modules.contains_modules((args, kwargs)):
       run = lambda pure_fun, a, k: call(pure_fun, amp_policy, a, k, amp_overrides)
-      return nnx_modules.call_keeping_state(run, fun, args, kwargs)
+      scoped = amp_overrides is not None and amp_overrides.by_scope
+      return nnx_modules.call_keeping_state(run, fun, args, kwargs, scoped)
     return call(fun, amp_policy, args, kwargs, amp_overrides)
 
 

@@ -17,6 +17,7 @@ from jaxamp._src import compat
 from jaxamp._src.autocast import context, rules
 from jaxamp._src.autocast import overrides as overrides_lib
 from jaxamp._src.autocast import transform as autocast_lib
+from jaxamp._src.integrations import nnx_modules
 from jaxamp._src.policies import policy as policy_lib
 from jaxamp._src.policies.table import Table
 
@@ -251,6 +252,7 @@ def explain(
   """
   amp_policy = autocast_lib.given_policy(policy, device_type, dtype)
   amp_overrides = overrides_lib.make(overrides, amp_policy)
+  named = amp_overrides is not None and amp_overrides.by_scope
   if not callable(fun):
     raise TypeError(f"explain takes a callable; got {fun!r} of type {type(fun).__name__}.")
 
@@ -287,7 +289,10 @@ def explain(
       a, k = jax.tree.unflatten(
         tree, [next(given) if array else leaf for leaf, array in zip(leaves, is_array, strict=True)]
       )
-      autocast_lib.call(fun, amp_policy, a, k, amp_overrides)
+      traced = fun
+      if named and nnx_modules.contains_modules((a, k)):
+        traced = nnx_modules.naming_calls(fun)  # nnx submodules named by their paths
+      autocast_lib.call(traced, amp_policy, a, k, amp_overrides)
 
     with context.recording(record):
       jax.eval_shape(run, arrays)
