@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training.train_state import TrainState
 from jax import lax
 from jaxpr_utils import dtypes_of, traced
 from real_world import equinox_examples, flax_lm1b, flax_nnx_mnist, flax_resnet
@@ -251,6 +252,43 @@ def test_an_autocast_module_keeps_its_overrides_through_tree_operations():
   jaxpr = traced(rebuilt, jnp.ones((1, 28, 28)))
   assert {i for i, _ in dtypes_of(jaxpr, "dot_general")} == {(F32_DTYPE, F32_DTYPE)}
   assert {i for i, _ in dtypes_of(jaxpr, "conv_general_dilated")} == {(F16_DTYPE, F16_DTYPE)}
+
+
+def test_a_train_step_takes_a_policy_and_overrides():
+  params, tokens = lm1b_args()
+  state = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+  policy = jaxamp.policy("cuda").with_rules({"softmax": jaxamp.Category.LOWER})
+  step = jaxamp.make_train_step(lm1b_loss, policy=policy, overrides={"logitdense": jnp.float32})
+  jaxpr = traced(step, state, tokens)
+  dots = {i for i, _ in dtypes_of(jaxpr, "dot_general")}
+  assert (F32_DTYPE, F32_DTYPE) in dots and (F16_DTYPE, F16_DTYPE) in dots
+  new_state, metrics = jax.jit(step)(state, tokens)
+  assert bool(jnp.isfinite(metrics["loss"]))
+
+
+def test_an_nnx_train_step_takes_overrides_by_attribute_path():
+  model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  step = jaxamp.make_nnx_train_step(
+    flax_nnx_mnist.loss_fn, device_type="cuda", overrides={"linear2": None}
+  )
+  metrics = step(model, opt, flax_nnx_mnist.get_fake_batch(8), nnx.Rngs(dropout=1))
+  assert metrics["aux"].dtype == jnp.float32  # the logits of linear2, autocast off
+  assert bool(jnp.isfinite(metrics["loss"]))
+
+
+def test_precision_report_takes_overrides_and_a_policy():
+  def model(x, w):
+    h = x @ w
+    with jax.named_scope("norm"):  # h * h overflows float16
+      return h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+  x, w = jnp.linspace(0, 255, 64).reshape(4, 16), jnp.ones((16, 8)) / 4
+  plain = jaxamp.precision_report(model, device_type="cuda")(x, w)
+  exact = jaxamp.precision_report(model, policy=jaxamp.policy("cuda"), overrides={"norm": None})
+  report = exact(x, w)
+  assert not np.isfinite(plain.entries[0].accumulated_error)
+  assert report.entries[0].accumulated_error < 1e-3
 
 
 # --- caching -----------------------------------------------------------------------------------
