@@ -180,6 +180,16 @@ def test_a_haiku_module_name_runs_that_module_in_its_dtype():
   assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}
 
 
+def test_a_haiku_module_class_turns_autocast_off_in_every_instance_as_jmp_does():
+  apply, params, state = haiku_apply()
+  decisions = explained(apply, params, state, IMAGES, overrides={hk.BatchNorm: None})
+  norms = [d for d in decisions if d.override == "BatchNorm"]
+  assert {d.primitive for d in norms} >= {"rsqrt", "reduce_sum"}
+  assert all(d.rule == "kept" and set(d.inputs) <= {F32, "int32"} for d in norms)
+  assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}
+  assert not matmuls(decisions, "BatchNorm")
+
+
 # --- jax.named_scope, inside higher-order primitives ---------------------------------------------
 
 
