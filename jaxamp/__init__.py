@@ -11,7 +11,9 @@ from jaxamp._src.autocast.transform import autocast, custom_bwd, custom_fwd
 from jaxamp._src.caches import clear_caches
 from jaxamp._src.integrations.accumulation import multi_steps
 from jaxamp._src.integrations.train import make_nnx_train_step, make_train_step
-from jaxamp._src.policies.policy import get_autocast_dtype, is_autocast_available
+from jaxamp._src.policies.edit import Change, Diff
+from jaxamp._src.policies.policy import Policy, get_autocast_dtype, is_autocast_available
+from jaxamp._src.policies.policy import builtin_policy as policy
 from jaxamp._src.policies.table import Category
 from jaxamp._src.reports.explain import Decision, Explanation, explain
 from jaxamp._src.reports.nonfinite import LeafStats, NonfiniteReport, nonfinite_report
@@ -23,11 +25,14 @@ __version__ = "0.1.0"
 
 __all__ = (
   "Category",
+  "Change",
   "Decision",
+  "Diff",
   "DynamicLossScaleState",
   "Explanation",
   "LeafStats",
   "NonfiniteReport",
+  "Policy",
   "PrecisionEntry",
   "PrecisionReport",
   "autocast",
@@ -44,6 +49,7 @@ __all__ = (
   "make_train_step",
   "multi_steps",
   "nonfinite_report",
+  "policy",
   "precision_report",
   "register_op",
   "scale_loss",

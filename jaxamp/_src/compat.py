@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +31,7 @@ from jaxamp._src import caches
 
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
+Primitive = jex_core.Primitive
 Literal = jex_core.Literal
 jaxpr_as_fun = jex_core.jaxpr_as_fun
 
@@ -265,6 +266,12 @@ def sub_jaxpr_inputs(eqn) -> list[tuple[Jaxpr, list]] | None:
     return None
   body = bodies[0].jaxpr if isinstance(bodies[0], ClosedJaxpr) else bodies[0]
   return [(body, invars)] if len(body.invars) == len(invars) else None
+
+
+def sub_jaxprs(eqn) -> Iterator[Jaxpr]:
+  """The open jaxprs among ``eqn``'s params (not descending into them)."""
+  for sub in _core.jaxprs_in_params(eqn.params):
+    yield sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
 
 
 def shard_map_axis_names(params: dict[str, Any]) -> set:

@@ -303,16 +303,20 @@ def test_the_weak_lru_cache_evicts_the_oldest_and_drops_entries_of_dead_objects(
 
 
 def _fill_every_cache(x):
-  """A grad through autocast with a jit body, a scan, a registered op and a bias add."""
+  """A grad through autocast with a jit body, a scan, a registered op and a bias add, and
+  through an autocast of it with an override."""
   op = jaxamp.register_op("test_caches_fill_op", category="float32")(jnp.tanh)
 
   def loss(w, b):
     h = jax.jit(lambda y: y @ w + b)(x)
-    h, _ = lax.scan(lambda c, row: (c + jnp.sum(row), None), jnp.zeros(()), op(h))
+    with jax.named_scope("head"):
+      h, _ = lax.scan(lambda c, row: (c + jnp.sum(row), None), jnp.zeros(()), op(h))
     return h
 
   f = jaxamp.autocast(loss, device_type="cuda")
   jax.grad(f, argnums=(0, 1))(W, jnp.ones((8,)))
+  overridden = jaxamp.autocast(loss, device_type="cuda", overrides={"head": jnp.bfloat16})
+  jax.grad(overridden, argnums=(0, 1))(W, jnp.ones((8,)))
   return f
 
 

@@ -118,6 +118,15 @@ def test_gpu_section_says_why_it_was_skipped_on_cpu(quick_report):
   assert "skipped: jax.default_backend() is 'cpu', not 'gpu'." in quick_report
 
 
+def test_the_overrides_benchmark_rates_its_target(capsys):
+  from benchmarks import bench_overrides
+
+  assert bench_overrides.main(["--depths", "1", "--reps", "1"]) == 0
+  printed = capsys.readouterr().out
+  assert "same program" in printed and "router-style" in printed
+  assert "ok" in printed or "MISSED" in printed
+
+
 def test_gemm_conv_and_triton_calls_of_a_gpu_module_are_counted_with_their_dtypes():
   found = common.hlo_matmul_dtypes(GPU_HLO)
   assert found == {

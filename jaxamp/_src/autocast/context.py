@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxamp._src import compat
 from jaxamp._src.autocast import casting, dataflow, op_calls, regions
+from jaxamp._src.autocast.overrides import OUTSIDE, Overrides, Scope
 from jaxamp._src.policies.policy import Policy
 
 # Every rule: (eqn, the Env of its jaxpr, Context) -> ``rules.Applied`` (outputs, ruling, the
@@ -71,14 +72,25 @@ class Context(NamedTuple):
     policy: the active policy.
     rules: the rules.
     op: the enclosing op region, whose inside runs natively.
+    overrides: ``autocast``'s overrides by place (``overrides.Overrides``), if any.
+    scope: where the evaluated jaxpr sits, as far as the overrides can tell.
   """
 
   policy: Policy
   rules: RuleSet
   op: regions.OpRegion | None = None
+  overrides: Overrides | None = None
+  scope: Scope = OUTSIDE
+
+  def within(self, eqn) -> Context:
+    """The context of ``eqn``'s bodies: their scope, where there are overrides."""
+    if self.overrides is None:
+      return self
+    return self._replace(scope=self.overrides.enter(self.scope, eqn))
 
 
-# ``explain`` installs a recorder: (path, eqn, ruling, values run on, outputs, converts, policy).
+# ``explain`` installs a recorder: (path, eqn, ruling, values run on, outputs, converts, policy,
+# the name of the override that decided the eqn or None).
 Recorder = Callable[..., None]
 _recorder: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
   "jaxamp_explain_recorder", default=None

@@ -25,6 +25,7 @@ import jax
 from jaxamp._src import compat
 from jaxamp._src.autocast import casting, dataflow, op_calls, regions, rules
 from jaxamp._src.autocast.context import Context, Env
+from jaxamp._src.autocast.overrides import Override
 from jaxamp._src.policies.table import Category
 
 
@@ -63,7 +64,12 @@ def evaluate(
   inside = None
   if ctx.op is not None:
     inside = op_calls.OpCall(ctx.op, ctx.op.instance, op_calls.op_category(ctx.op, ctx.policy))
-  calls = op_calls.op_calls(jaxpr.eqns, marks, inside, ctx.policy, env.op_numbers)
+  decided = _overridden(jaxpr.eqns, marks, ctx) if inside is None else None
+  policies = None
+  if decided is not None:  # an override's policy, or a kept region where it turns autocast off
+    marks = [m if d is None or d.policy else _KEPT for m, d in zip(marks, decided, strict=True)]
+    policies = [d.policy if d is not None and d.policy else ctx.policy for d in decided]
+  calls = op_calls.op_calls(jaxpr.eqns, marks, inside, ctx.policy, env.op_numbers, policies)
   runs = {} if not env.checkpoint_ops or inside is not None else op_calls.recomputed_runs(calls)
   index = 0
   while index < len(jaxpr.eqns):
@@ -79,7 +85,10 @@ def evaluate(
       env.facts.computed.update(segment.outvars)
     else:
       stop = index + 1
-      _eval_one(jaxpr.eqns[index], marks[index], calls[index], env, ctx)
+      override, eqn_ctx = None, ctx
+      if decided is not None:
+        override, eqn_ctx = decided[index], ctx._replace(policy=policies[index])
+      _eval_one(jaxpr.eqns[index], marks[index], calls[index], env, eqn_ctx, override)
     for dead in range(index, stop):
       for var in last_use.get(dead, ()):
         env.values.pop(var, None)  # dead: let eager evaluation free it, as eval_jaxpr does
@@ -90,8 +99,25 @@ def evaluate(
   return [env.read(v) for v in jaxpr.outvars]
 
 
+_KEPT = regions.Marks(True, ())
+
+
+def _overridden(eqns, marks: list[regions.Marks], ctx: Context) -> list[Override | None] | None:
+  """The override deciding each eqn (None where none does, or inside a kept region); None
+  without overrides."""
+  if ctx.overrides is None:
+    return None
+  decide = ctx.overrides.decide
+  return [None if m.kept else decide(ctx.scope, e) for e, m in zip(eqns, marks, strict=True)]
+
+
 def _eval_one(
-  eqn, marks: regions.Marks, call: op_calls.OpCall | None, env: Env, ctx: Context
+  eqn,
+  marks: regions.Marks,
+  call: op_calls.OpCall | None,
+  env: Env,
+  ctx: Context,
+  override: Override | None = None,
 ) -> None:
   converts = env.casts.converts
   if marks.kept:
@@ -113,6 +139,7 @@ def _eval_one(
       applied.outs,
       env.casts.converts - converts,
       ctx.policy,
+      override.name if override is not None else None,
     )
   for var, value in zip(eqn.outvars, applied.outs, strict=True):
     env.values[var] = value

@@ -52,6 +52,7 @@ def op_calls(
   inside: OpCall | None,
   policy: Policy,
   numbers: Iterator[int],
+  policies: Sequence[Policy] | None = None,
 ) -> list[OpCall | None]:
   """The op call each eqn belongs to: the outermost op region the policy gives a category.
 
@@ -60,16 +61,21 @@ def op_calls(
   listed op the eqn follows its primitive's rule. Consecutive eqns of one call site form one
   call until an eqn that reads nothing the call computed comes at a position inside the op that
   does not move on (the next call from the same site: a loop, a linen module's wrapper); any
-  other eqn in between ends the call. ``numbers`` numbers the calls.
+  other eqn in between ends the call. ``numbers`` numbers the calls. ``policies`` gives each
+  eqn its own policy (overrides by place); a change of policy ends a call.
   """
   if inside is not None:
     return [inside] * len(marks)
   calls: list[OpCall | None] = []
   site, position, produced = None, None, set()  # of the current call
-  for eqn, eqn_marks in zip(eqns, marks, strict=True):
+  previous = policy
+  for index, (eqn, eqn_marks) in enumerate(zip(eqns, marks, strict=True)):
     call = None
+    eqn_policy = policies[index] if policies is not None else policy
+    if eqn_policy is not previous:
+      site, previous = None, eqn_policy
     for op, at in zip(eqn_marks.ops, eqn_marks.positions, strict=True):
-      category = None if eqn_marks.kept else op_category(op, policy)
+      category = None if eqn_marks.kept else op_category(op, eqn_policy)
       if category is None:
         continue
       moves_on = at is None or position is None or at > position

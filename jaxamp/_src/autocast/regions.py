@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxamp._src import caches, compat
 from jaxamp._src.autocast import library_ops
+from jaxamp._src.policies import edit
 from jaxamp._src.policies.table import Category
 
 # Name scopes of eqns autocast runs exactly as written: what an autocast call emitted (the scope
@@ -222,6 +223,22 @@ def register_library_op(fun: Callable, name: str) -> None:
     _registered()
 
 
+def library_op_names(fun: Callable) -> tuple[str, ...]:
+  """The op regions ``fun`` is recognised as (by its code object); () for none."""
+  if _pending:
+    _resolve_pending()
+  try:
+    code = code_of(fun)
+  except TypeError:
+    return ()
+  return _library_codes.get(code, ())
+
+
+def known_op_regions() -> frozenset[str]:
+  """Op regions autocast can recognise: library functions' and ``register_op``'s."""
+  return frozenset(name for *_, name in library_ops.LIBRARY_OPS) | set(_user_defaults)
+
+
 def resolve(module: str, path: str) -> Callable:
   """The object at attribute ``path`` (``"LayerNorm.__call__"``) of imported ``module``."""
   found = importlib.import_module(module)
@@ -324,3 +341,4 @@ def _library_ops_of(
 
 
 _recognise_library_ops()
+edit.install_op_names(edit.OpNames(library_op_names, known_op_regions))

@@ -560,6 +560,7 @@ def rewriting(body_rule: BodyRule) -> Rule:
   op call, those are cast by the op's category and the bodies run natively, as the op's."""
 
   def rule(eqn, env: Env, ctx: Context) -> Applied:
+    ctx = ctx.within(eqn)
     if env.call is None:
       invals = [env.read(a) for a in eqn.invars]
       return Applied(body_rule(eqn, invals, env, ctx), Ruling(Decider.HIGHER_ORDER), invals)

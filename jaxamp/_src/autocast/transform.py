@@ -9,9 +9,10 @@ so an inner ``autocast(g, dtype=...)`` region keeps its own dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -19,10 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import caches, compat
-from jaxamp._src.autocast import context, higher_order, interpreter, regions
+from jaxamp._src.autocast import context, higher_order, interpreter, regions, rules
+from jaxamp._src.autocast import overrides as overrides_lib
+from jaxamp._src.autocast.overrides import Overrides
 from jaxamp._src.integrations import nnx_modules
-from jaxamp._src.policies import policy
-from jaxamp._src.policies.table import ELIGIBLE_DTYPES
+from jaxamp._src.policies import policy as policy_lib
+from jaxamp._src.policies.table import ELIGIBLE_DTYPES, Variant
 
 _TRACE_CACHE_SIZE = 512
 # Traces by function and signature. The function, a bound method's instance and static
@@ -37,6 +40,8 @@ def autocast(
   dtype=None,
   enabled: bool = True,
   cache_enabled: bool = True,
+  policy: policy_lib.Policy | None = None,
+  overrides: Mapping | None = None,
 ) -> Callable:
   """Runs ``fun`` with torch.amp's autocast policy for ``device_type``.
 
@@ -54,6 +59,17 @@ def autocast(
       type's default.
     enabled: False runs ``fun`` as written, also inside an enclosing autocast function.
     cache_enabled: cast each value to a dtype at most once per trace (torch's weight cast cache).
+    policy: a ``jaxamp.Policy`` (``jaxamp.policy("cuda").with_rules({...})``) instead of
+      ``device_type`` and ``dtype``, which it carries.
+    overrides: parts of ``fun`` run otherwise, without editing it: ``{place: value}``. A place
+      is a scope pattern matched against the name stack (flax linen and Haiku module names, nnx
+      attribute paths of modules passed as arguments, Equinox layer scopes,
+      ``jax.named_scope``): ``"router"``, ``"decoder/block_3"``, globs ``"block_*"``, anywhere
+      in the stack; or a module class, matching what its ``__call__`` traces. A value is None
+      or ``jnp.float32`` (autocast off there, as ``autocast_disabled()``), a lower-precision
+      dtype (autocast to it there) or a ``jaxamp.Policy``. Where several match, the deepest
+      decides. A place that matches nothing raises a ``ValueError`` listing those that exist;
+      ``explain`` shows which override decided each eqn.
 
   Returns:
     A function with ``fun``'s signature whose outputs have the dtypes the policy produced,
@@ -76,16 +92,52 @@ def autocast(
         "pass one."
       )
     fun, device_type = None, fun
-  amp_policy = policy.make_policy(device_type, dtype, cache_enabled)
+  amp_policy = given_policy(policy, device_type, dtype, cache_enabled)
+  amp_overrides = overrides_lib.make(overrides, amp_policy)
   if not isinstance(enabled, bool):
     raise TypeError(f"`enabled` must be a bool; got {enabled!r}.")
   if fun is None:
-    return _AutocastDecorator(
-      dict(device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-    )
+    options = dict(device_type=device_type, dtype=dtype, enabled=enabled)
+    more = dict(cache_enabled=cache_enabled, policy=policy, overrides=overrides)
+    return _AutocastDecorator(dict(options, **more))
   if not callable(fun):
     raise TypeError(f"autocast transforms a callable; got {fun!r} of type {type(fun).__name__}.")
-  return _wrap(fun, amp_policy if enabled else None)
+  return _wrap(fun, amp_policy if enabled else None, amp_overrides)
+
+
+def given_policy(
+  amp_policy: policy_lib.Policy | None, device_type: str | None, dtype, cache_enabled: bool = True
+) -> policy_lib.Policy:
+  """The policy ``autocast``'s arguments choose: ``policy=``, or ``device_type`` and ``dtype``."""
+  if amp_policy is None:
+    return policy_lib.make_policy(device_type, dtype, cache_enabled)
+  if not isinstance(amp_policy, policy_lib.Policy):
+    raise TypeError(
+      "`policy` must be a jaxamp.Policy (jaxamp.policy(device_type).with_rules({...})); "
+      f"got {amp_policy!r}."
+    )
+  if device_type is not None or dtype is not None:
+    raise TypeError(
+      f"autocast got policy={amp_policy!r} and device_type={device_type!r}, dtype={dtype!r}: "
+      "a policy carries its device type and dtype; pass either `policy=` or them, e.g. "
+      "jaxamp.policy(device_type, dtype=...).with_rules({...})."
+    )
+  if not isinstance(cache_enabled, bool):
+    raise TypeError(f"`cache_enabled` must be a bool; got {cache_enabled!r}.")
+  for key in amp_policy.table.primitive_categories:
+    reason = _uncategorised(key.primitive if isinstance(key, Variant) else key)
+    if reason is not None:
+      raise ValueError(f"The policy gives primitive {key} a category, but {reason}.")
+  return dataclasses.replace(amp_policy, cache_enabled=cache_enabled)
+
+
+def _uncategorised(primitive) -> str | None:
+  """Why ``primitive`` takes no category from a table (None if it does)."""
+  if primitive in higher_order.RULES.higher_order:
+    return "it is higher-order: the eqns of its bodies follow their own rows"
+  if primitive in rules.KEEP_DTYPES:
+    return "it is dtype-sensitive and always runs in the dtypes it was traced with"
+  return None
 
 
 class _AutocastDecorator:
@@ -123,27 +175,36 @@ class _AutocastDecorator:
     return False
 
 
-def _wrap(fun: Callable, amp_policy: policy.Policy | None) -> Callable:
+def _wrap(
+  fun: Callable, amp_policy: policy_lib.Policy | None, amp_overrides: Overrides | None = None
+) -> Callable:
   if nnx_modules.is_module(fun) or _has_array_leaves(fun):
     nnx_modules.register_data_type(AutocastModule)  # an nnx Module may hold it as an attribute
-    return AutocastModule(fun, amp_policy)
+    return AutocastModule(fun, amp_policy, amp_overrides)
 
   @functools.wraps(fun)
   def autocast_fun(*args, **kwargs):
-    return _run(fun, amp_policy, args, kwargs)
+    return _run(fun, amp_policy, args, kwargs, amp_overrides)
 
   return autocast_fun
 
 
-def _run(fun: Callable, amp_policy: policy.Policy | None, args: tuple, kwargs: dict) -> Any:
+def _run(
+  fun: Callable,
+  amp_policy: policy_lib.Policy | None,
+  args: tuple,
+  kwargs: dict,
+  amp_overrides: Overrides | None = None,
+) -> Any:
   """``fun(*args, **kwargs)`` in a kept region, autocast with ``amp_policy`` (None: as written)."""
   with regions.kept_region(regions.AUTOCAST_MARK):
     if amp_policy is None:
       return fun(*args, **kwargs)
     if nnx_modules.contains_modules((args, kwargs)):
-      run = lambda pure_fun, a, k: call(pure_fun, amp_policy, a, k)
-      return nnx_modules.call_keeping_state(run, fun, args, kwargs)
-    return call(fun, amp_policy, args, kwargs)
+      run = lambda pure_fun, a, k: call(pure_fun, amp_policy, a, k, amp_overrides)
+      scoped = amp_overrides is not None and amp_overrides.by_scope
+      return nnx_modules.call_keeping_state(run, fun, args, kwargs, scoped)
+    return call(fun, amp_policy, args, kwargs, amp_overrides)
 
 
 def _has_array_leaves(fun: Any) -> bool:
@@ -169,14 +230,22 @@ class AutocastModule:
   """
 
   __wrapped__: Any
-  _policy: policy.Policy | None
+  _policy: policy_lib.Policy | None
+  _overrides: Overrides | None
 
-  def __init__(self, module: Any, amp_policy: policy.Policy | None):
+  def __init__(
+    self,
+    module: Any,
+    amp_policy: policy_lib.Policy | None,
+    amp_overrides: Overrides | None = None,
+  ):
     self.__wrapped__ = module
     self._policy = amp_policy
+    self._overrides = amp_overrides
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return _run(nnx_modules.call_module, self._policy, (self.__wrapped__, *args), kwargs)
+    module_args = (self.__wrapped__, *args)
+    return _run(nnx_modules.call_module, self._policy, module_args, kwargs, self._overrides)
 
   def __getattr__(self, name: str) -> Any:
     if name.startswith("__") and name.endswith("__"):  # no copy/pickle protocol lookups
@@ -187,17 +256,15 @@ class AutocastModule:
     amp_policy = self._policy
     if amp_policy is None:
       return f"jaxamp.autocast({self.__wrapped__!r}, enabled=False)"
-    return (
-      f"jaxamp.autocast({self.__wrapped__!r}, device_type={amp_policy.device_type!r}, "
-      f"dtype={amp_policy.dtype.name})"
-    )
+    return f"jaxamp.autocast({self.__wrapped__!r}, policy={amp_policy!r})"
 
-  def tree_flatten_with_keys(self) -> tuple[tuple, policy.Policy | None]:
-    return ((jax.tree_util.GetAttrKey("__wrapped__"), self.__wrapped__),), self._policy
+  def tree_flatten_with_keys(self) -> tuple[tuple, tuple]:
+    aux = (self._policy, self._overrides)
+    return ((jax.tree_util.GetAttrKey("__wrapped__"), self.__wrapped__),), aux
 
   @classmethod
-  def tree_unflatten(cls, amp_policy: policy.Policy | None, children: tuple) -> AutocastModule:
-    return cls(children[0], amp_policy)
+  def tree_unflatten(cls, aux: tuple, children: tuple) -> AutocastModule:
+    return cls(children[0], *aux)
 
 
 def is_array(x: Any) -> bool:
@@ -241,15 +308,23 @@ def trace(fun: Callable, args: tuple, kwargs: dict) -> Traced:
   return Traced(closed, arrays, in_tree, dynamic, in_avals, out_tree, static_outs, state_outputs)
 
 
-def call(fun: Callable, amp_policy: policy.Policy, args: tuple, kwargs: dict) -> Any:
-  """Calls ``fun`` on ``args`` and ``kwargs`` under ``amp_policy``.
+def call(
+  fun: Callable,
+  amp_policy: policy_lib.Policy,
+  args: tuple,
+  kwargs: dict,
+  amp_overrides: Overrides | None = None,
+) -> Any:
+  """Calls ``fun`` on ``args`` and ``kwargs`` under ``amp_policy`` (and ``amp_overrides``).
 
   Outputs leave in the dtype the policy produced, except state threaded through (see
   ``_state_outputs``), which leaves in its traced dtype.
   """
   traced = trace(fun, args, kwargs)
   closed = traced.jaxpr
-  ctx = context.Context(amp_policy, higher_order.RULES)
+  if amp_overrides is not None:
+    overrides_lib.check_matched(amp_overrides, closed)
+  ctx = context.Context(amp_policy, higher_order.RULES, overrides=amp_overrides)
   outs = interpreter.evaluate(closed.jaxpr, closed.consts, traced.arrays, ctx)
   for i, dtype in traced.state_outputs:
     if getattr(outs[i], "dtype", None) != dtype:
@@ -393,7 +468,7 @@ def custom_fwd(
   the body is autocast like any other code.
   """
   if device_type is not None:
-    policy.get_table(device_type)  # torch's signature; validated, the cast applies everywhere
+    policy_lib.get_table(device_type)  # torch's signature; validated, the cast applies everywhere
   if fun is None:
     return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
   if _is_dtype(fun):
@@ -405,7 +480,7 @@ def custom_fwd(
     raise TypeError(f"custom_fwd decorates a callable; got {fun!r}.")
   if cast_inputs is None:
     return fun
-  target = policy.canonical_cast_dtype(cast_inputs)
+  target = policy_lib.canonical_cast_dtype(cast_inputs)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
@@ -430,7 +505,7 @@ def custom_bwd(fun: Callable | None = None, *, device_type: str | None = None) -
   backward runs in the dtypes of its residuals and cotangents, as torch runs backward passes).
   """
   if device_type is not None:
-    policy.get_table(device_type)  # torch's signature; the forward's policy is used
+    policy_lib.get_table(device_type)  # torch's signature; the forward's policy is used
   if fun is None and device_type is not None:
     return functools.partial(custom_bwd, device_type=device_type)
   if not callable(fun):

@@ -11,9 +11,10 @@ flax stays off autocast's path until the user imports it: no nnx object exists b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -62,19 +63,96 @@ def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _pure_call(
-  fun: Callable, graphdef: Any, is_module: tuple, treedef: Any, state: Any, others: list
+  fun: Callable,
+  graphdef: Any,
+  is_module: tuple,
+  treedef: Any,
+  scoped: bool,
+  state: Any,
+  others: list,
 ) -> tuple[Any, Any]:
-  """``fun`` on the modules rebuilt from ``state``; its output and the modules' new state."""
+  """``fun`` on the modules rebuilt from ``state``; its output and the modules' new state.
+
+  With ``scoped``, each submodule's calls are traced under a ``jax.named_scope`` of its attribute
+  path (``named_calls``)."""
   nnx = _nnx()
-  inner_modules, inner_others = iter(nnx.merge(graphdef, state)), iter(others)
+  merged = nnx.merge(graphdef, state)
+  inner_modules, inner_others = iter(merged), iter(others)
   inner = [next(inner_modules) if m else next(inner_others) for m in is_module]
   inner_args, inner_kwargs = jax.tree.unflatten(treedef, inner)
-  out = fun(*inner_args, **inner_kwargs)
+  with named_calls(merged) if scoped else contextlib.nullcontext():
+    out = fun(*inner_args, **inner_kwargs)
   return out, nnx.state([leaf for leaf, m in zip(inner, is_module, strict=True) if m])
 
 
-def call_keeping_state(call: Callable, fun: Callable, args: tuple, kwargs: dict) -> Any:
-  """``call(pure_fun, args, kwargs)`` for a ``fun`` that may update nnx modules in its args.
+# Module instance id -> its attribute path, while ``named_calls`` is active.
+_paths: dict[int, str] = {}
+
+
+@contextlib.contextmanager
+def named_calls(modules: list) -> Iterator[None]:
+  """Traces each submodule's calls under a ``jax.named_scope`` of its attribute path in its
+  argument ("linear2", "blocks/0/attn"), so that ``overrides`` can name nnx modules by place.
+
+  nnx puts no module names on the name stack; the classes' ``__call__`` are wrapped for the
+  duration of the trace and restored after it (the wrapper only adds a scope)."""
+  nnx = _nnx()
+  found = {}
+  for path, node in nnx.iter_graph(modules):
+    if isinstance(node, nnx.Module) and len(path) > 1:
+      found[id(node)] = "/".join(map(str, path[1:]))
+  wrapped = {}
+  for cls in {type(m) for _, m in nnx.iter_graph(modules) if id(m) in found}:
+    call = cls.__dict__.get("__call__") or cls.__call__
+    if getattr(call, "_jaxamp_scoped", False) or not callable(call):
+      continue
+    wrapped[cls] = cls.__dict__.get("__call__")
+    cls.__call__ = _scoped(call)
+  _paths.update(found)
+  try:
+    yield
+  finally:
+    for cls, original in wrapped.items():
+      if original is None:
+        del cls.__call__
+      else:
+        cls.__call__ = original
+    for key in found:
+      _paths.pop(key, None)
+
+
+def naming_calls(fun: Callable) -> Callable:
+  """``fun`` with the calls of the nnx modules among its arguments traced under scopes of their
+  attribute paths (``named_calls``), for callers that pass modules as pytrees (``explain``)."""
+
+  @functools.wraps(fun)
+  def named(*args, **kwargs):
+    is_node = _nnx().graph.is_graph_node
+    modules = [x for x in jax.tree.leaves((args, kwargs), is_leaf=is_node) if is_node(x)]
+    with named_calls(modules):
+      return fun(*args, **kwargs)
+
+  return named
+
+
+def _scoped(call: Callable) -> Callable:
+  @functools.wraps(call)
+  def scoped_call(self, *args, **kwargs):
+    path = _paths.get(id(self))
+    if path is None:
+      return call(self, *args, **kwargs)
+    with jax.named_scope(path):
+      return call(self, *args, **kwargs)
+
+  scoped_call._jaxamp_scoped = True
+  return scoped_call
+
+
+def call_keeping_state(
+  call: Callable, fun: Callable, args: tuple, kwargs: dict, scoped: bool = False
+) -> Any:
+  """``call(pure_fun, args, kwargs)`` for a ``fun`` that may update nnx modules in its args
+  (with ``scoped``, their submodules' calls traced under scopes of their attribute paths).
 
   Only Variables whose value changed are written back: a module that ``fun`` only reads may be
   one closed over from an enclosing ``jit`` or ``grad``, where nnx forbids writes.
@@ -87,7 +165,7 @@ def call_keeping_state(call: Callable, fun: Callable, args: tuple, kwargs: dict)
   others = [leaf for leaf, m in zip(leaves, is_module, strict=True) if not m]
   graphdef, state = nnx.split(modules)
   # A partial of module-level values, so autocast's trace cache finds it again on the next call.
-  pure_fun = functools.partial(_pure_call, fun, graphdef, is_module, treedef)
+  pure_fun = functools.partial(_pure_call, fun, graphdef, is_module, treedef, scoped)
   out, new_state = call(pure_fun, (state, others), {})
   old = dict(nnx.to_flat_state(state))
   changed = [

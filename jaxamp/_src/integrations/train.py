@@ -59,8 +59,8 @@ def _split_loss(out: Any) -> tuple[jax.Array, Any, bool]:
   return jnp.asarray(loss).astype(jnp.float32), aux, has_aux
 
 
-def _forward(loss_fn: Callable, device_type: str | None, dtype: Any, enabled: bool) -> Callable:
-  return autocast_lib.autocast(loss_fn, device_type=device_type, dtype=dtype, enabled=enabled)
+def _forward(loss_fn: Callable, enabled: bool, **options: Any) -> Callable:
+  return autocast_lib.autocast(loss_fn, enabled=enabled, **options)
 
 
 def _metrics(loss: jax.Array, aux: Any, has_aux: bool, opt_state: Any) -> Metrics:
@@ -93,6 +93,8 @@ def make_train_step(
   dtype: Any = None,
   enabled: bool = True,
   nonfinite_report: bool = False,
+  policy: Any = None,
+  overrides: Any = None,
 ) -> Callable[..., tuple[Any, Metrics]]:
   """A mixed-precision train step for a flax ``TrainState`` (or any state with its interface).
 
@@ -145,11 +147,16 @@ def make_train_step(
     enabled: False trains in the dtypes the model was written in (no autocast).
     nonfinite_report: add the gradients' ``jaxamp.NonfiniteReport`` to the metrics (one fused
       pass over the gradients, about the cost of the scaler's finite check).
+    policy: a ``jaxamp.Policy`` instead of ``device_type`` and ``dtype``, as for ``autocast``.
+    overrides: parts of the model run under another dtype or policy, or with autocast off, as
+      for ``autocast``.
 
   Returns:
     ``step(state, batch, *args, **kwargs) -> (new_state, metrics)``, jit-compatible.
   """
-  forward = _forward(loss_fn, device_type, dtype, enabled)
+  forward = _forward(
+    loss_fn, enabled, device_type=device_type, dtype=dtype, policy=policy, overrides=overrides
+  )
 
   def step(state: Any, batch: Any, *args: Any, **kwargs: Any) -> tuple[Any, Metrics]:
     scaled = _scaler_state(state.opt_state) is not None
@@ -178,6 +185,8 @@ def make_nnx_train_step(
   dtype: Any = None,
   enabled: bool = True,
   nonfinite_report: bool = False,
+  policy: Any = None,
+  overrides: Any = None,
 ) -> Callable[..., Metrics]:
   """A mixed-precision train step for an nnx model and its ``nnx.Optimizer``.
 
@@ -214,13 +223,17 @@ def make_nnx_train_step(
     enabled: False trains in the dtypes the model was written in (no autocast).
     nonfinite_report: add the gradients' ``jaxamp.NonfiniteReport`` (paths as in the gradient
       ``nnx.State``) to the metrics, as for ``make_train_step``.
+    policy: a ``jaxamp.Policy`` instead of ``device_type`` and ``dtype``, as for ``autocast``.
+    overrides: by place, as for ``autocast`` (nnx submodules by attribute path or class).
 
   Returns:
     ``step(model, optimizer, batch, *args, **kwargs) -> metrics``; use it under ``nnx.jit``.
   """
   from flax import nnx
 
-  forward = _forward(loss_fn, device_type, dtype, enabled)
+  forward = _forward(
+    loss_fn, enabled, device_type=device_type, dtype=dtype, policy=policy, overrides=overrides
+  )
 
   def step(model: Any, optimizer: Any, batch: Any, *args: Any, **kwargs: Any) -> Metrics:
     scaler = _scaler_state(optimizer.opt_state)

@@ -9,20 +9,24 @@ on device types itself.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._src.policies import cpu, cuda, tpu, xpu
+from jaxamp._src.policies import cpu, cuda, edit, tpu, xpu
 from jaxamp._src.policies.table import ELIGIBLE_DTYPES, LOW_DTYPES, Category, Table, Variant
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """An active autocast setting: a device table and the low-precision dtype it casts to.
+  """An autocast policy: a device type's table and the lower-precision dtype it casts to.
 
-  Frozen and hashable, so it keys the caches of traced and rewritten jaxprs.
+  ``jaxamp.policy("cuda")`` is the built-in one; ``with_rules`` derives another. Immutable,
+  hashable and equal to any policy that casts alike, so it keys the caches of traced and
+  rewritten jaxprs. ``print(policy)`` shows its rows, ``policy.diff()`` what it changes of the
+  built-in policy.
   """
 
   table: Table
@@ -31,6 +35,7 @@ class Policy:
 
   @property
   def device_type(self) -> str:
+    """The device type whose table this is ("cuda", "cpu", "xpu", "tpu")."""
     return self.table.device_type
 
   def primitive_category(self, primitive, variant: str | None = None) -> Category:
@@ -41,6 +46,42 @@ class Policy:
       if keyed is not None:
         return keyed
     return categories.get(primitive, Category.NATIVE)
+
+  def with_rules(self, rules: Mapping) -> Policy:
+    """A new policy with the rows ``rules`` names changed; this one is left as it is.
+
+    Keys: torch op names as the tables write them (``"softmax"``, ``"layer_norm"``; a row
+    realising several torch ops changes as a whole: ``"log"`` is also ``log10`` and ``log2``),
+    op regions (``"log_sigmoid"``), JAX primitives (``jax.lax.exp_p``: only that primitive) or
+    library functions autocast recognises (``jax.nn.gelu``, ``flax.linen.LayerNorm``). Values:
+    a ``jaxamp.Category``, or a dtype: ``jnp.float32`` is ``FLOAT32`` (inputs cast to float32)
+    and this policy's lower-precision dtype is ``LOWER``.
+
+    Example::
+
+      policy = jaxamp.policy("cuda").with_rules(
+        {"softmax": jaxamp.Category.LOWER, jax.lax.exp_p: jnp.float16}
+      )
+      jaxamp.autocast(f, policy=policy)
+    """
+    return dataclasses.replace(
+      self, table=edit.with_rules(self.table, rules, self.dtype, _TABLES.values())
+    )
+
+  def diff(self, other: Policy | None = None) -> edit.Diff:
+    """What this policy changes of ``other`` (None: the built-in policy of its device type):
+    one ``Change`` per primitive or op region whose category differs."""
+    if other is not None and not isinstance(other, Policy):
+      raise TypeError(f"`diff` compares with another jaxamp.Policy; got {other!r}.")
+    return edit.diff(self.table, _TABLES[self.device_type] if other is None else other.table)
+
+  def __str__(self) -> str:
+    return edit.text(self.table, self.dtype, f"{self!r}: {len(self.table.rows)} rows")
+
+  def __repr__(self) -> str:
+    changed = len(self.diff()) if self.table is not _TABLES.get(self.device_type) else 0
+    rules = f".with_rules(<{changed} changes>)" if changed else ""
+    return f"jaxamp.policy({self.device_type!r}, dtype=jnp.{self.dtype.name}){rules}"
 
   def op_category(self, name: str, default: Category | None) -> Category | None:
     """The category of a named op region; ``default`` for ops the table does not list.
@@ -133,6 +174,18 @@ def make_policy(device_type: str | None, dtype, cache_enabled: bool = True) -> P
   if not isinstance(cache_enabled, bool):
     raise TypeError(f"`cache_enabled` must be a bool; got {cache_enabled!r}.")
   return Policy(table, low, cache_enabled)
+
+
+def builtin_policy(device_type: str | None = None, dtype=None) -> Policy:
+  """The built-in autocast policy of ``device_type`` (None: the default backend's) and ``dtype``
+  (None: the device type's default), as a value to print, compare or derive others from with
+  ``Policy.with_rules``.
+
+  Example::
+
+    print(jaxamp.policy("cuda"))  # its rows, as in docs/coverage.md
+  """
+  return make_policy(device_type, dtype)
 
 
 def is_autocast_available(device_type: str) -> bool:

@@ -98,11 +98,30 @@ NO_16_BIT_KERNELS = (
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Table:
-  """A device type's policy table: its default dtype and its rows."""
+  """A device type's policy table: its default dtype and its rows.
+
+  Equal to another table that gives every primitive and op the same category (row order and
+  the torch op names rows carry aside), so caches keyed by a table hit for equal ones.
+  """
 
   device_type: str
   default_dtype: np.dtype
   rows: tuple[Row, ...]
+
+  @functools.cached_property
+  def _content(self) -> tuple:
+    return (
+      self.device_type,
+      self.default_dtype,
+      frozenset(self.primitive_categories.items()),
+      frozenset(self.op_categories.items()),
+    )
+
+  def __eq__(self, other: object) -> bool:
+    return self is other or isinstance(other, Table) and self._content == other._content
+
+  def __hash__(self) -> int:
+    return hash(self._content)
 
   @functools.cached_property
   def primitive_categories(self) -> Mapping[Any, Category]:

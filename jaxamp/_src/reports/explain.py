@@ -8,15 +8,17 @@ installed (the rewrite caches are bypassed, so every sub-jaxpr is visited) and r
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 
 from jaxamp._src import compat
 from jaxamp._src.autocast import context, rules
+from jaxamp._src.autocast import overrides as overrides_lib
 from jaxamp._src.autocast import transform as autocast_lib
-from jaxamp._src.policies import policy
+from jaxamp._src.integrations import nnx_modules
+from jaxamp._src.policies import policy as policy_lib
 from jaxamp._src.policies.table import Table
 
 
@@ -37,6 +39,8 @@ class Decision(NamedTuple):
     category: the category applied ("lower", "float32", ...), None where the rule applies none
       (kept regions, traced dtypes, higher-order primitives, Python scalars).
     op: the op region the eqn belongs to, None outside op calls.
+    override: the key of ``autocast``'s ``overrides`` that decided the eqn (its scope pattern,
+      or its class's name), None where none did.
   """
 
   path: str
@@ -49,6 +53,7 @@ class Decision(NamedTuple):
   casts: int
   category: str | None = None
   op: str | None = None
+  override: str | None = None
 
 
 class Explanation(NamedTuple):
@@ -98,7 +103,7 @@ class Explanation(NamedTuple):
         (
           d.path or ".",
           d.primitive,
-          d.rule,
+          _rule(d),
           f"{_dtypes(d.traced)} -> {_dtypes(d.inputs)}",
           _dtypes(d.outputs),
           str(d.casts),
@@ -112,7 +117,7 @@ class Explanation(NamedTuple):
       (
         d.path or ".",
         d.primitive,
-        d.rule,
+        _rule(d),
         _short_dtypes(
           t if t == r else f"{t}->{r}"
           for t, r in zip(map(short_dtype, d.traced), map(short_dtype, d.inputs), strict=True)
@@ -209,6 +214,13 @@ def _fit(prefix: str, items: tuple[str, ...], width: int) -> str:
   return (prefix + f"{len(items)} ops")[:width]
 
 
+def _rule(decision: Decision) -> str:
+  """The rule column: the rule, after the override that decided it ("[router] kept")."""
+  if decision.override is None:
+    return decision.rule
+  return f"[{decision.override}] {decision.rule}"
+
+
 def _dtypes(dtypes: tuple[str, ...]) -> str:
   return "(" + ", ".join(dtypes) + ")"
 
@@ -223,21 +235,31 @@ def torch_ops_of(table: Table, eqn, ruling: rules.Ruling) -> tuple[str, ...]:
   return table.primitive_rows.get(eqn.primitive, ())
 
 
-def explain(fun: Callable, *, device_type: str | None = None, dtype=None) -> Callable:
-  """A function taking ``fun``'s arguments and returning the ``Explanation`` of its autocast.
+def explain(
+  fun: Callable,
+  *,
+  device_type: str | None = None,
+  dtype=None,
+  policy: policy_lib.Policy | None = None,
+  overrides: Mapping | None = None,
+) -> Callable:
+  """A function taking ``fun``'s arguments and returning the ``Explanation`` of its autocast
+  (with ``autocast``'s ``device_type`` and ``dtype``, or ``policy``, and ``overrides``).
 
   Example::
 
     print(jaxamp.explain(loss_fn, device_type="cuda")(params, batch))
   """
-  amp_policy = policy.make_policy(device_type, dtype)
+  amp_policy = autocast_lib.given_policy(policy, device_type, dtype)
+  amp_overrides = overrides_lib.make(overrides, amp_policy)
+  named = amp_overrides is not None and amp_overrides.by_scope
   if not callable(fun):
     raise TypeError(f"explain takes a callable; got {fun!r} of type {type(fun).__name__}.")
 
   def explained(*args, **kwargs) -> Explanation:
     decisions: list[Decision] = []
 
-    def record(path, eqn, ruling, ran_on, outs, casts, amp_policy):
+    def record(path, eqn, ruling, ran_on, outs, casts, amp_policy, override):
       traced = tuple(str(a.aval.dtype) for a in eqn.invars)
       category = ruling.category.value if ruling.category is not None else None
       decisions.append(
@@ -252,6 +274,7 @@ def explain(fun: Callable, *, device_type: str | None = None, dtype=None) -> Cal
           casts,
           category,
           ruling.op,
+          override,
         )
       )
 
@@ -266,7 +289,10 @@ def explain(fun: Callable, *, device_type: str | None = None, dtype=None) -> Cal
       a, k = jax.tree.unflatten(
         tree, [next(given) if array else leaf for leaf, array in zip(leaves, is_array, strict=True)]
       )
-      autocast_lib.call(fun, amp_policy, a, k)
+      traced = fun
+      if named and nnx_modules.contains_modules((a, k)):
+        traced = nnx_modules.naming_calls(fun)  # nnx submodules named by their paths
+      autocast_lib.call(traced, amp_policy, a, k, amp_overrides)
 
     with context.recording(record):
       jax.eval_shape(run, arrays)

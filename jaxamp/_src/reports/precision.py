@@ -34,7 +34,7 @@ import math
 import os
 import pathlib
 import sysconfig
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -45,8 +45,9 @@ from jax import lax
 
 from jaxamp._src import compat
 from jaxamp._src.autocast import context, higher_order, interpreter, rules
+from jaxamp._src.autocast import overrides as overrides_lib
 from jaxamp._src.autocast import transform as autocast_lib
-from jaxamp._src.policies import policy
+from jaxamp._src.policies.policy import Policy
 from jaxamp._src.policies.table import LOW_DTYPES
 from jaxamp._src.reports import explain
 
@@ -233,8 +234,16 @@ def _sort(entries, order: str) -> tuple[PrecisionEntry, ...]:
   return tuple(sorted(entries, key=key, reverse=True))
 
 
-def precision_report(fun: Callable, *, device_type: str | None = None, dtype=None) -> Callable:
-  """A function taking ``fun``'s arguments and returning the ``PrecisionReport`` of its autocast.
+def precision_report(
+  fun: Callable,
+  *,
+  device_type: str | None = None,
+  dtype=None,
+  policy: Policy | None = None,
+  overrides: Mapping | None = None,
+) -> Callable:
+  """A function taking ``fun``'s arguments and returning the ``PrecisionReport`` of its autocast
+  (with ``autocast``'s ``device_type`` and ``dtype``, or ``policy``, and ``overrides``).
 
   The arguments must be concrete (call it outside ``jit``); non-array leaves are static, as for
   ``autocast``. ``fun`` is traced afresh on every call, so helpers redefined since are seen.
@@ -244,7 +253,8 @@ def precision_report(fun: Callable, *, device_type: str | None = None, dtype=Non
     report = jaxamp.precision_report(loss_fn, device_type="cuda")(params, batch)
     print(report.worst(5))
   """
-  amp_policy = policy.make_policy(device_type, dtype)
+  amp_policy = autocast_lib.given_policy(policy, device_type, dtype)
+  amp_overrides = overrides_lib.make(overrides, amp_policy)
   if not callable(fun):
     raise TypeError(f"precision_report takes a callable; got {fun!r} of type {type(fun).__name__}.")
 
@@ -261,7 +271,9 @@ def precision_report(fun: Callable, *, device_type: str | None = None, dtype=Non
     run = _Run()
     _evaluate_as_written(run, closed.jaxpr, closed.consts, arrays, "")
     run.seen.clear()
-    ctx = context.Context(amp_policy, _autocast_rules(run))
+    if amp_overrides is not None:
+      overrides_lib.check_matched(amp_overrides, closed)
+    ctx = context.Context(amp_policy, _autocast_rules(run), overrides=amp_overrides)
     with context.recording(run.record):
       interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx, env=_env(ctx, ""))
     entries = _sort([site.entry() for site in run.sites.values()], "accumulated")
@@ -344,7 +356,7 @@ class _Run:
     self.seen[where] += 1
     return (*where, occurrence)
 
-  def record(self, path, eqn, ruling, ran_on, outs, casts, amp_policy) -> None:
+  def record(self, path, eqn, ruling, ran_on, outs, casts, amp_policy, override=None) -> None:
     """The interpreter's recorder: compares one eqn of the autocast program."""
     if any(isinstance(v, jax.core.Tracer) for v in outs):
       return  # inside a body traced by a higher-order rule not evaluated eagerly (shard_map)
