@@ -189,7 +189,7 @@ class AutocastModule:
       return f"jaxamp.autocast({self.__wrapped__!r}, enabled=False)"
     return (
       f"jaxamp.autocast({self.__wrapped__!r}, device_type={amp_policy.device_type!r}, "
-      f"dtype={amp_policy.dtype.name})"
+      f"dtype={amp_policy.requested_dtype.name})"
     )
 
   def tree_flatten_with_keys(self) -> tuple[tuple, policy.Policy | None]:

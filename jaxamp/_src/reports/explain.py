@@ -270,6 +270,6 @@ def explain(fun: Callable, *, device_type: str | None = None, dtype=None) -> Cal
 
     with context.recording(record):
       jax.eval_shape(run, arrays)
-    return Explanation(amp_policy.device_type, amp_policy.dtype.name, tuple(decisions))
+    return Explanation(amp_policy.device_type, amp_policy.requested_dtype.name, tuple(decisions))
 
   return explained
