@@ -111,7 +111,8 @@ _LAYOUT = {"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims",
 
 
 def matmuls_without_float8_operands(jaxpr) -> list:
-  """The dot_general / conv_general_dilated eqns anywhere in ``jaxpr`` (vector dots aside) with
+  """The dot_general / conv_general_dilated eqns anywhere in ``jaxpr`` (vector dots and their
+  scalar-by-vector transposes aside, which promote) with
   an operand that is not a dequantized float8 value: ``mul(convert(q: float8), scale)``, maybe
   moved by layout ops."""
   inner = _as_jaxpr(jaxpr)
@@ -135,7 +136,7 @@ def matmuls_without_float8_operands(jaxpr) -> list:
   off = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-      vector = all(len(a.aval.shape) == 1 for a in eqn.invars)
+      vector = all(len(a.aval.shape) <= 1 for a in eqn.invars)  # a vector dot, its transposes
       if not vector and not all(from_float8(a) for a in eqn.invars):
         off.append(eqn)
     for _, sub in sub_jaxprs(eqn):

@@ -303,7 +303,8 @@ def test_the_weak_lru_cache_evicts_the_oldest_and_drops_entries_of_dead_objects(
 
 
 def _fill_every_cache(x):
-  """A grad through autocast with a jit body, a scan, a registered op and a bias add."""
+  """A grad through autocast with a jit body, a scan, a registered op and a bias add, also under
+  the float8 policy."""
   op = jaxamp.register_op("test_caches_fill_op", category="float32")(jnp.tanh)
 
   def loss(w, b):
@@ -313,6 +314,8 @@ def _fill_every_cache(x):
 
   f = jaxamp.autocast(loss, device_type="cuda")
   jax.grad(f, argnums=(0, 1))(W, jnp.ones((8,)))
+  fp8 = jaxamp.autocast(loss, device_type="cuda", dtype=jnp.float8_e4m3fn)  # float8 matmuls
+  jax.grad(fp8, argnums=(0, 1))(W, jnp.ones((8,)))
   return f
 
 

@@ -383,3 +383,43 @@ def test_float8_on_ada_hopper_and_blackwell_is_accepted(monkeypatch, capability)
   fake_gpu(monkeypatch, capability)
   amp_policy = policy.make_policy("cuda", jnp.float8_e4m3fn)
   assert (amp_policy.dtype, amp_policy.matmul_dtype) == (BF16, E4M3)
+
+
+def test_float8_gradients_are_exact_where_float8_is():
+  """On values exact in e4m3 (operands) and e5m2 (cotangent) the float8 matmul's gradients are
+  float32's: the backward pass is the transpose of the forward, nothing else."""
+  conv = lambda w, x: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+  cases = [
+    (lambda w, x: x @ w, [(32, 16), (8, 32), (8, 16)]),
+    (conv, [(4, 3, 3, 3), (2, 3, 8, 8), (2, 4, 8, 8)]),
+  ]
+  for fun, shapes in cases:
+    w, x, c = (grid(i, shape) for i, shape in enumerate(shapes))
+    got = jax.grad(weighted_sum(fp8_autocast(fun)), argnums=(0, 1))(w, x, c)
+    want = jax.grad(weighted_sum(fun), argnums=(0, 1))(w, x, c)
+    for g, r in zip(got, want, strict=True):
+      np.testing.assert_array_equal(g, r)
+
+
+# --- training (XLA:CPU emulates float8) ---------------------------------------------------------
+
+SEEDS, STEPS = 3, 40
+
+
+@pytest.mark.slow  # 6 short training runs of the benchmark LM
+def test_the_benchmark_lm_trains_within_the_bfloat16_runs_seed_to_seed_spread():
+  from benchmarks import fp8 as bench
+
+  fp8_losses = bench.final_losses("lm", "float8", SEEDS, STEPS)
+  bf16_losses = bench.final_losses("lm", "bfloat16", SEEDS, STEPS)
+  assert bench.within_spread(fp8_losses, bf16_losses), (fp8_losses, bf16_losses)
+
+
+@pytest.mark.slow  # 3 short training runs of the benchmark conv net
+def test_the_benchmark_conv_net_trains_under_float8():
+  from benchmarks import fp8 as bench
+
+  task = bench.TASKS["conv"](None, seed=0)
+  initial = float(task.loss(task.params, task.state, task.batch)[0])
+  losses = bench.final_losses("conv", "float8", 1, STEPS)
+  assert np.isfinite(losses).all() and losses[0] < initial - 0.2, (initial, losses)
