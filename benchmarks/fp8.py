@@ -116,8 +116,9 @@ def precision_section(markdown: bool, worst: int = 12) -> str:
   ]
   summary = common.table(["policy", "dot_generals", "median local", "max local"], rows, markdown)
   return (
-    "precision: the LM's loss, float8 vs float32 (precision_report, worst by accumulated error)"
-    f"\n\n{fp8.worst(worst)}\n\nmatmul local errors (own inputs, float32 rerun):\n\n{summary}"
+    "precision: the LM's loss, float8 vs float32 (precision_report, worst by local error)"
+    f"\n\n{fp8.sorted_by('local').worst(worst)}\n\n"
+    f"matmul local errors (own inputs, float32 rerun):\n\n{summary}"
   )
 
 
