@@ -20,8 +20,9 @@ float32, under the "cpu" policy (bfloat16) and under the "cuda" policy (float16)
 whose every dot and conv must run on dequantized float8 operands. The 16-bit runs must put every
 dot and conv of the step in the low dtype; all mixed runs must compute the norms' ``rsqrt``
 (Equinox: ``sqrt`` and ``/``) in float32, hand the model state (BatchNorm statistics, power
-iterations, counters) back in float32's dtypes, and end within ``LOSS_RTOL`` of float32's loss. The ResNet's gradients and losses must also be as close to
-float32's as those of flax's own ``dtype=`` path.
+iterations, counters) back in float32's dtypes, and end within ``LOSS_RTOL`` of float32's loss.
+The ResNet's gradients and losses must also be as close to float32's as those of flax's own
+``dtype=`` path.
 """
 
 from __future__ import annotations
