@@ -91,6 +91,21 @@ def render(ops: list[tuple[str, str, str]]) -> str:
     lines.append(
       f"| {device_type} | `{name}` | {category} | {coverage.coverage(device_type, name)} |"
     )
+  lines += [
+    "",
+    '## float8 (`device_type="cuda", dtype=jnp.float8_e4m3fn`)',
+    "",
+    "The CUDA lower-precision list under the float8 policy: its matmuls run with float8",
+    "operands, its other ops in bfloat16. The CUDA float32 and promote lists apply as above.",
+    "",
+    "| device | torch op | torch category | jaxamp |",
+    "|---|---|---|---|",
+  ]
+  for device_type, category, name in ops:
+    if (device_type, category) == ("cuda", "lower"):
+      lines.append(
+        f"| cuda float8_e4m3fn | `{name}` | {category} | {coverage.fp8_coverage(name)} |"
+      )
   return "\n".join(lines) + "\n"
 
 

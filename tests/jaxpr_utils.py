@@ -103,3 +103,42 @@ def matmuls_off_dtype(jaxpr, low) -> list:
       continue
     off.append(eqn)
   return off
+
+
+# Ops that only move or copy elements: a float8 operand may pass through them to a matmul (JAX's
+# vmap and transpose rules put them there; a conv's input gradient reverses the kernel).
+_LAYOUT = {"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy", "rev"}
+
+
+def matmuls_without_float8_operands(jaxpr) -> list:
+  """The dot_general / conv_general_dilated eqns anywhere in ``jaxpr`` (vector dots and their
+  scalar-by-vector transposes aside, which promote) with
+  an operand that is not a dequantized float8 value: ``mul(convert(q: float8), scale)``, maybe
+  moved by layout ops."""
+  inner = _as_jaxpr(jaxpr)
+  jaxpr = inner if inner is not None else jaxpr
+  producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+  def from_float8(atom) -> bool:
+    eqn = producers.get(atom)
+    while eqn is not None and eqn.primitive.name in _LAYOUT:
+      eqn = producers.get(eqn.invars[0])
+    if eqn is None or eqn.primitive.name != "mul":
+      return False
+    converts = [producers.get(a) for a in eqn.invars]
+    return any(
+      c is not None
+      and c.primitive.name == "convert_element_type"
+      and "float8" in str(_dtype(c.invars[0]))
+      for c in converts
+    )
+
+  off = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      vector = all(len(a.aval.shape) <= 1 for a in eqn.invars)  # a vector dot, its transposes
+      if not vector and not all(from_float8(a) for a in eqn.invars):
+        off.append(eqn)
+    for _, sub in sub_jaxprs(eqn):
+      off.extend(matmuls_without_float8_operands(sub))
+  return off

@@ -155,7 +155,8 @@ def test_non_string_device_type_is_a_type_error():
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.float32, jnp.float64, "float8", object()])
 def test_unsupported_dtype_names_the_choices(dtype):
-  with pytest.raises(ValueError, match="`dtype` must be one of jnp.float16 or jnp.bfloat16"):
+  valid = "`dtype` must be one of jnp.float16, jnp.bfloat16 or jnp.float8_e4m3fn"
+  with pytest.raises(ValueError, match=valid):
     jaxamp.autocast(lambda x: x, device_type="cuda", dtype=dtype)
 
 

@@ -303,8 +303,8 @@ def test_the_weak_lru_cache_evicts_the_oldest_and_drops_entries_of_dead_objects(
 
 
 def _fill_every_cache(x):
-  """A grad through autocast with a jit body, a scan, a registered op and a bias add, and
-  through an autocast of it with an override."""
+  """A grad through autocast with a jit body, a scan, a registered op and a bias add, also under
+  the float8 policy, and through an autocast of it with an override."""
   op = jaxamp.register_op("test_caches_fill_op", category="float32")(jnp.tanh)
 
   def loss(w, b):
@@ -317,6 +317,8 @@ def _fill_every_cache(x):
   jax.grad(f, argnums=(0, 1))(W, jnp.ones((8,)))
   overridden = jaxamp.autocast(loss, device_type="cuda", overrides={"head": jnp.bfloat16})
   jax.grad(overridden, argnums=(0, 1))(W, jnp.ones((8,)))
+  fp8 = jaxamp.autocast(loss, device_type="cuda", dtype=jnp.float8_e4m3fn)  # float8 matmuls
+  jax.grad(fp8, argnums=(0, 1))(W, jnp.ones((8,)))
   return f
 
 

@@ -16,11 +16,13 @@ its license) or imported from the installed package:
 
 Each trains ``STEPS`` Adam steps on a fixed synthetic batch (so every run is deterministic) in
 float32, under the "cpu" policy (bfloat16) and under the "cuda" policy (float16) with
-``jaxamp.dynamic_loss_scale``. The mixed runs must put every dot and conv of the step in the low
-dtype, compute the norms' ``rsqrt`` (Equinox: ``sqrt`` and ``/``) in float32, hand the model state
-(BatchNorm statistics, power iterations, counters) back in float32's dtypes, and end within
-``LOSS_RTOL`` of float32's loss. The ResNet's gradients and losses must also be as close to
-float32's as those of flax's own ``dtype=`` path.
+``jaxamp.dynamic_loss_scale``, and under the "cuda" policy with ``dtype=jnp.float8_e4m3fn``,
+whose every dot and conv must run on dequantized float8 operands. The 16-bit runs must put every
+dot and conv of the step in the low dtype; all mixed runs must compute the norms' ``rsqrt``
+(Equinox: ``sqrt`` and ``/``) in float32, hand the model state (BatchNorm statistics, power
+iterations, counters) back in float32's dtypes, and end within ``LOSS_RTOL`` of float32's loss.
+The ResNet's gradients and losses must also be as close to float32's as those of flax's own
+``dtype=`` path.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import pytest
 from flax import nnx
 from flax.training.train_state import TrainState
 from jax.extend import core as jex_core
-from jaxpr_utils import dtypes_of, matmuls_off_dtype, traced
+from jaxpr_utils import dtypes_of, matmuls_off_dtype, matmuls_without_float8_operands, traced
 from real_world import equinox_examples, flax_lm1b, flax_nnx_mnist, flax_resnet
 
 import jaxamp
@@ -66,8 +68,13 @@ POLICIES = {
   "float32": Policy(None, False, F32),
   "bfloat16": Policy({"device_type": "cpu"}, False, jnp.dtype(jnp.bfloat16)),
   "float16": Policy({"device_type": "cuda"}, True, jnp.dtype(jnp.float16)),
+  # float8 matmuls (autocast/fp8.py): XLA:CPU emulates float8.
+  "float8": Policy(
+    {"device_type": "cuda", "dtype": jnp.float8_e4m3fn}, False, jnp.dtype(jnp.bfloat16)
+  ),
 }
 MIXED = ["bfloat16", "float16"]
+ALL_MIXED = [*MIXED, "float8"]
 
 
 class Run(NamedTuple):
@@ -367,7 +374,14 @@ def test_dots_and_convs_run_in_the_low_dtype(model, policy):
   assert not matmuls_off_dtype(jaxpr, POLICIES[policy].low)
 
 
-@pytest.mark.parametrize("policy", MIXED)
+@pytest.mark.parametrize("model", TRAIN)
+def test_float8_dots_and_convs_run_on_float8_operands(model):
+  jaxpr = TRAIN[model]("float8").jaxpr
+  assert dtypes_of(jaxpr, "dot_general") or dtypes_of(jaxpr, "conv_general_dilated")
+  assert not matmuls_without_float8_operands(jaxpr)
+
+
+@pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", WITH_RSQRT_NORMS)
 def test_norms_compute_their_rsqrt_in_float32(model, policy):
   rsqrts = dtypes_of(TRAIN[model](policy).jaxpr, "rsqrt")
@@ -401,13 +415,13 @@ def test_equinox_batch_norm_divides_by_a_float32_sqrt(policy):
 # --- state ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", MIXED)
+@pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", WITH_STATE)
 def test_model_state_keeps_float32_dtypes_after_training(model, policy):
   assert dtypes(TRAIN[model](policy).state) == dtypes(TRAIN[model]("float32").state)
 
 
-@pytest.mark.parametrize("policy", MIXED)
+@pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", WITH_STATE)
 def test_model_state_stays_finite(model, policy):
   leaves = jax.tree.leaves(TRAIN[model](policy).state)
@@ -417,13 +431,13 @@ def test_model_state_stays_finite(model, policy):
 # --- losses --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", MIXED)
+@pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", TRAIN)
 def test_mixed_precision_losses_are_finite(model, policy):
   assert np.isfinite(TRAIN[model](policy).losses).all()
 
 
-@pytest.mark.parametrize("policy", MIXED)
+@pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", TRAIN)
 def test_final_loss_is_close_to_float32s(model, policy):
   mixed, baseline = TRAIN[model](policy).losses, TRAIN[model]("float32").losses

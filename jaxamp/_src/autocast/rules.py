@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src import compat
-from jaxamp._src.autocast import casting, dataflow, op_calls, weight_grads
+from jaxamp._src.autocast import casting, dataflow, fp8, op_calls, weight_grads
 from jaxamp._src.autocast.context import Context, Env, Rule, RuleSet
 from jaxamp._src.policies.policy import Policy
 from jaxamp._src.policies.table import LOW_DTYPES, NO_16_BIT_KERNELS, Category
@@ -45,6 +45,7 @@ class Decider(enum.Enum):
   WEAK_SCALAR = "native: a Python scalar follows the other operand"
   BIAS_ADD = "lower: bias add of a low-precision dot/conv"
   EXPLICIT_PRECISION = "explicit precision=: runs in the traced dtypes"
+  FP8 = "float8: operands quantized with dynamic scales"
   CATEGORY = "the category of the primitive"
   OP = "the category of the op region"
 
@@ -338,7 +339,32 @@ def _matmul(eqn, env: Env, ctx: Context) -> Applied:
   asked (diffrax's Runge-Kutta combination uses ``precision=HIGHEST``); others by category."""
   if explicit_precision(eqn):
     return _bind_traced(eqn, env, Ruling(Decider.EXPLICIT_PRECISION))
+  if _quantizes(eqn, env, ctx.policy):
+    return _fp8_matmul(eqn, env, ctx)
   return by_category(eqn, env, ctx)
+
+
+def _quantizes(eqn, env: Env, policy: Policy) -> bool:
+  """Whether a float8 policy runs this matmul with float8 operands: one of the lower-precision
+  list (not a vector dot, which promotes) on float32 or 16-bit operands."""
+  return (
+    policy.matmul_dtype is not None
+    and eqn.primitive in fp8.MATMULS
+    and primitive_category(eqn, policy) is Category.LOWER
+    and all(casting.is_eligible(env.dtype(a)) for a in eqn.invars)
+  )
+
+
+def _fp8_matmul(eqn, env: Env, ctx: Context) -> Applied:
+  """The matmul with float8 operands quantized from their values as they are (a float32
+  parameter is not rounded to 16 bits first), its product in the policy's dtype unless the
+  caller chose a ``preferred_element_type``."""
+  invals = [env.read(a) for a in eqn.invars]
+  preferred = eqn.params.get("preferred_element_type")
+  traced = casting.widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
+  explicit = preferred is not None and jnp.dtype(preferred) != traced
+  outs = fp8.bind(eqn, invals, preferred if explicit else ctx.policy.dtype)
+  return Applied(outs, Ruling(Decider.FP8, Category.LOWER), invals)
 
 
 # Special cases outside op calls, by primitive; every other primitive is ``by_category``.
@@ -590,7 +616,7 @@ def record_facts(eqn, env: Env, applied: Applied) -> None:
   come from, that a low-precision matmul's output stays low under a bias add, and that a layout
   change or a no-op convert of a weak scalar is weak."""
   facts, ruling = env.facts, applied.ruling
-  if ruling.rule is Decider.CATEGORY and ruling.category is Category.LOWER:
+  if ruling.rule in (Decider.CATEGORY, Decider.FP8) and ruling.category is Category.LOWER:
     if eqn.primitive in MATMULS:
       facts.note_matmul(eqn)
   if ruling.rule in (Decider.CATEGORY, Decider.WEAK_SCALAR):

@@ -56,7 +56,8 @@ def autocast(
       "xpu" float16, "cpu" bfloat16, "tpu" bfloat16. None picks the device type of
       ``jax.default_backend()``.
     dtype: the lower-precision dtype, ``jnp.float16`` or ``jnp.bfloat16``; None: the device
-      type's default.
+      type's default. ``jnp.float8_e4m3fn`` (``device_type="cuda"`` only): matmuls and convs with
+      float8 operands and dynamic per-tensor scales, everything else in bfloat16.
     enabled: False runs ``fun`` as written, also inside an enclosing autocast function.
     cache_enabled: cast each value to a dtype at most once per trace (torch's weight cast cache).
     policy: a ``jaxamp.Policy`` (``jaxamp.policy("cuda").with_rules({...})``) instead of

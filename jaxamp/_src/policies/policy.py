@@ -16,7 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src.policies import cpu, cuda, edit, tpu, xpu
-from jaxamp._src.policies.table import ELIGIBLE_DTYPES, LOW_DTYPES, Category, Table, Variant
+from jaxamp._src.policies.table import (
+  ELIGIBLE_DTYPES,
+  FP8_DTYPES,
+  LOW_DTYPES,
+  Category,
+  Table,
+  Variant,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +39,19 @@ class Policy:
   table: Table
   dtype: np.dtype
   cache_enabled: bool = True
+  # float8_e4m3fn: the matmuls the table lists as lower precision run with float8 operands
+  # (``autocast/fp8.py``), everything else as the table says with ``dtype`` (bfloat16).
+  matmul_dtype: np.dtype | None = None
 
   @property
   def device_type(self) -> str:
     """The device type whose table this is ("cuda", "cpu", "xpu", "tpu")."""
     return self.table.device_type
+
+  @property
+  def requested_dtype(self) -> np.dtype:
+    """The ``dtype=`` this policy was made for: ``matmul_dtype`` if set, else ``dtype``."""
+    return self.dtype if self.matmul_dtype is None else self.matmul_dtype
 
   def primitive_category(self, primitive, variant: str | None = None) -> Category:
     """The category of ``primitive`` (used as ``variant``, if its table row lists that)."""
@@ -81,7 +96,7 @@ class Policy:
   def __repr__(self) -> str:
     changed = len(self.diff()) if self.table is not _TABLES.get(self.device_type) else 0
     rules = f".with_rules(<{changed} changes>)" if changed else ""
-    return f"jaxamp.policy({self.device_type!r}, dtype=jnp.{self.dtype.name}){rules}"
+    return f"jaxamp.policy({self.device_type!r}, dtype=jnp.{self.requested_dtype.name}){rules}"
 
   def op_category(self, name: str, default: Category | None) -> Category | None:
     """The category of a named op region; ``default`` for ops the table does not list.
@@ -158,8 +173,9 @@ def _canonical(dtype, allowed: tuple[np.dtype, ...], argument: str) -> np.dtype:
 
 
 def canonical_dtype(dtype) -> np.dtype:
-  """Validates a user's autocast ``dtype``: float16 or bfloat16 (the lower-precision dtypes)."""
-  return _canonical(dtype, LOW_DTYPES, "dtype")
+  """Validates a user's autocast ``dtype``: float16 or bfloat16 (the lower-precision dtypes),
+  or float8_e4m3fn (float8 matmuls, on "cuda")."""
+  return _canonical(dtype, LOW_DTYPES + FP8_DTYPES, "dtype")
 
 
 def canonical_cast_dtype(dtype) -> np.dtype:
@@ -173,6 +189,9 @@ def make_policy(device_type: str | None, dtype, cache_enabled: bool = True) -> P
   low = table.default_dtype if dtype is None else canonical_dtype(dtype)
   if not isinstance(cache_enabled, bool):
     raise TypeError(f"`cache_enabled` must be a bool; got {cache_enabled!r}.")
+  if low in FP8_DTYPES:
+    _check_fp8(table)
+    return Policy(table, jnp.dtype(jnp.bfloat16), cache_enabled, matmul_dtype=low)
   return Policy(table, low, cache_enabled)
 
 
@@ -186,6 +205,42 @@ def builtin_policy(device_type: str | None = None, dtype=None) -> Policy:
     print(jaxamp.policy("cuda"))  # its rows, as in docs/coverage.md
   """
   return make_policy(device_type, dtype)
+
+
+# The first CUDA compute capability with float8 tensor cores (Ada; Hopper is 9.0).
+FP8_COMPUTE_CAPABILITY = (8, 9)
+
+
+def _check_fp8(table: Table) -> None:
+  """Float8 autocast is a CUDA policy; on a CUDA GPU, one with float8 tensor cores.
+
+  Without a GPU (XLA:CPU emulates float8) it runs, as exporting for a GPU or testing needs.
+  """
+  if table.device_type != "cuda":
+    raise ValueError(
+      f'dtype=jnp.float8_e4m3fn is a "cuda" policy (float8 gemms need Ada or Hopper tensor '
+      f'cores); got device_type={table.device_type!r}. Pass device_type="cuda" (XLA emulates '
+      f"float8 on a machine without a GPU), or dtype=jnp.bfloat16 for {table.device_type!r}."
+    )
+  if jax.default_backend() != "gpu":
+    return
+  for device in jax.local_devices():
+    capability = getattr(device, "compute_capability", None)
+    if _compute_capability(capability) < FP8_COMPUTE_CAPABILITY:
+      raise ValueError(
+        f"dtype=jnp.float8_e4m3fn needs a CUDA GPU with float8 tensor cores (compute "
+        f"capability 8.9 or higher: Ada, Hopper, Blackwell); {device.device_kind} "
+        f"({device.platform}, compute capability {capability}) has none. Use "
+        "dtype=jnp.bfloat16."
+      )
+
+
+def _compute_capability(capability) -> tuple[int, ...]:
+  """A CUDA compute capability, "9.0" -> (9, 0); () for anything else (a ROCm "gfx942")."""
+  try:
+    return tuple(int(part) for part in str(capability).split("."))
+  except ValueError:
+    return ()
 
 
 def is_autocast_available(device_type: str) -> bool:

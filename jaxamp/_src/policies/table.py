@@ -69,6 +69,8 @@ def named_op_rows(category: Category, *names: str) -> tuple[Row, ...]:
 
 ELIGIBLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 LOW_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+# Float8 autocast (``autocast/fp8.py``): matmuls with float8 operands, everything else bfloat16.
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
 
 # Every jax.lax.linalg primitive with floating operands, and fft: JAX has no float16 or bfloat16
 # kernels for most (LAPACK, cuSOLVER and ducc take float32 and float64; lax.fft rejects 16-bit

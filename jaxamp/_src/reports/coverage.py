@@ -9,7 +9,9 @@ reference.
 
 from __future__ import annotations
 
+from jaxamp._src.autocast import fp8
 from jaxamp._src.policies import policy
+from jaxamp._src.policies.table import Category
 
 # torch ops with no JAX counterpart, per device type, and why.
 NOT_APPLICABLE: dict[str, dict[str, str]] = {
@@ -123,3 +125,17 @@ def coverage(device_type: str, torch_op: str) -> str:
   if reason is not None:
     return f"not applicable: {reason}"
   raise KeyError(f"{torch_op!r} has no row in the {device_type!r} table")
+
+
+def fp8_coverage(torch_op: str) -> str:
+  """How an op of torch's CUDA lower-precision list runs under ``dtype=jnp.float8_e4m3fn``
+  (``autocast/fp8.py``): its matmuls with float8 operands, the rest in bfloat16."""
+  line = coverage("cuda", torch_op)
+  row = next(r for r in policy.get_table("cuda").rows if torch_op in r.torch_ops)
+  quantized = [f"`{p.name}`" for p in row.primitives if p in fp8.MATMULS]
+  if row.category is Category.LOWER and quantized:
+    return (
+      f"float8_e4m3fn: primitive {', '.join(quantized)} (e4m3 operands, e5m2 gradients, "
+      "dynamic per-tensor float32 scales; bfloat16 result)"
+    )
+  return line.replace("lower:", "lower (bfloat16):", 1)

@@ -296,6 +296,6 @@ def explain(
 
     with context.recording(record):
       jax.eval_shape(run, arrays)
-    return Explanation(amp_policy.device_type, amp_policy.dtype.name, tuple(decisions))
+    return Explanation(amp_policy.device_type, amp_policy.requested_dtype.name, tuple(decisions))
 
   return explained

@@ -277,7 +277,7 @@ def precision_report(
     with context.recording(run.record):
       interpreter.evaluate(closed.jaxpr, closed.consts, arrays, ctx, env=_env(ctx, ""))
     entries = _sort([site.entry() for site in run.sites.values()], "accumulated")
-    return PrecisionReport(amp_policy.device_type, amp_policy.dtype.name, entries)
+    return PrecisionReport(amp_policy.device_type, amp_policy.requested_dtype.name, entries)
 
   return reported
 
@@ -369,7 +369,8 @@ class _Run:
       site = self.sites[(path, id(eqn))] = _Site(
         path, eqn, source, ruling.describe(), explain.torch_ops_of(amp_policy.table, eqn, ruling)
       )
-    site.compute_dtype = _compute_dtype(ran_on, outs)
+    fp8 = ruling.rule is rules.Decider.FP8
+    site.compute_dtype = amp_policy.matmul_dtype.name if fp8 else _compute_dtype(ran_on, outs)
     site.local.append(_error(outs, _in_float32(eqn, ran_on)))
     site.accumulated.append(None if reference is None else _error(outs, reference))
     site.max_abs.append(_max_abs(outs))
