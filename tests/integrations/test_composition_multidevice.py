@@ -5,7 +5,7 @@ import textwrap
 import cpu_devices
 import pytest
 
-pytestmark = pytest.mark.slow  # a subprocess on several virtual CPU devices
+# One test on four virtual CPU devices (a subprocess): in the fast subset too.
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np

@@ -164,6 +164,7 @@ def test_layer_output_has_torch_dtype(name, device_type, low):
   assert out.dtype == expected_dtype(name, low)
 
 
+@pytest.mark.slow  # every layer under every policy, compiled
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_layer_output_is_close_to_float32(name, device_type, low):

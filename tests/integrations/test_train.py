@@ -82,6 +82,7 @@ def linen_step(state, poison=1.0, device_type="cuda", enabled=True):
   return _linen_step(device_type, enabled)(state, BATCH, jnp.float32(poison))
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_returns_loss_scale_found_inf_and_skipped_steps():
   _, metrics = linen_step(linen_state(scaler(init_scale=8.0)))
   assert set(metrics) == {"loss", "scale", "found_inf", "skipped_steps"}
@@ -93,6 +94,7 @@ def test_linen_step_returns_loss_scale_found_inf_and_skipped_steps():
   ) == (F32, 8.0, False, 0)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_loss_is_the_unscaled_loss():
   _, metrics = linen_step(linen_state(scaler(init_scale=1024.0)), enabled=False)
   np.testing.assert_allclose(metrics["loss"], linen_loss(mlp_params(), BATCH), rtol=1e-6)
@@ -135,6 +137,7 @@ def test_linen_step_with_autocast_disabled_runs_in_float32():
   assert {ins for ins, _ in jaxpr_utils.dtypes_of(jaxpr, "dot_general")} == {(F32, F32)}
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_with_autocast_disabled_matches_a_hand_written_step():
   state = linen_state(optax.sgd(0.1))
   new_state, _ = linen_step(state, enabled=False)
@@ -149,6 +152,7 @@ def test_linen_step_without_a_scaler_trains_unscaled_and_reports_scale_one():
   assert (float(metrics["scale"]), bool(metrics["found_inf"]), int(state.step)) == (1.0, False, 1)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_scaled_step_updates_like_the_unscaled_step():
   scaled, _ = linen_step(linen_state(scaler(init_scale=2.0**12)))
   unscaled, _ = linen_step(linen_state(optax.sgd(0.1)))
@@ -187,6 +191,7 @@ def test_linen_step_passes_extra_arguments_to_the_loss_function():
   np.testing.assert_allclose(metrics["loss"], 2.0 * linen_loss(mlp_params(), BATCH), rtol=1e-6)
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("enabled", [True, False], ids=["autocast", "float32"])
 def test_linen_step_passes_a_key_and_keyword_arguments_to_the_loss_function(enabled):
   def loss_fn(params, batch, dropout_key, *, poison):
@@ -198,6 +203,7 @@ def test_linen_step_passes_a_key_and_keyword_arguments_to_the_loss_function(enab
   assert np.isfinite(metrics["loss"])
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_returns_the_loss_functions_aux_in_metrics():
   def loss_with_aux(params, batch):
     logits = MLP().apply({"params": params}, batch[0])
@@ -209,6 +215,7 @@ def test_linen_step_returns_the_loss_functions_aux_in_metrics():
   assert metrics["aux"]["logits"].shape == (16, 3)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_carries_batch_norm_statistics_through_aux():
   class State(TrainState):
     batch_stats: dict
@@ -238,6 +245,7 @@ def test_linen_step_carries_batch_norm_statistics_through_aux():
   assert {s.dtype for s in jax.tree.leaves(new_stats)} == {F32}
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_runs_without_jit():
   state, metrics = make_train_step(linen_loss, device_type="cpu")(linen_state(scaler()), BATCH)
   assert int(state.step) == 1 and np.isfinite(metrics["loss"])
@@ -343,6 +351,7 @@ def test_nnx_step_keeps_float32_params():
   assert {p.dtype for p in jax.tree.leaves(params_of(model))} == {F32}
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_nnx_step_updates_batch_norm_running_statistics(device_type):
   model, optimizer = nnx_setup(scaler())
@@ -424,6 +433,7 @@ def test_nnx_step_returns_the_loss_functions_aux_in_metrics():
   assert metrics["aux"].shape == (16, 3)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_runs_without_jit():
   model, optimizer = nnx_setup(scaler())
   metrics = make_nnx_train_step(nnx_loss, device_type="cpu")(model, optimizer, BATCH)
@@ -450,6 +460,7 @@ def dropout_loss_keyword(model, batch, *, rngs):
   return dropout_loss(model, batch, rngs)
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("enabled", [True, False], ids=["autocast", "float32"])
 @pytest.mark.parametrize("mode", ["eager", "nnx_jit"])
 def test_nnx_step_passes_an_rngs_argument_to_the_loss_function(mode, enabled):
@@ -460,6 +471,7 @@ def test_nnx_step_passes_an_rngs_argument_to_the_loss_function(mode, enabled):
   assert np.isfinite(metrics["loss"]) and int(rngs.dropout.count[...]) == 1
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("enabled", [True, False], ids=["autocast", "float32"])
 def test_nnx_step_passes_keyword_arguments_to_the_loss_function(enabled):
   model = DropoutNet(nnx.Rngs(0))

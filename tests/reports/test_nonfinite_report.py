@@ -243,6 +243,7 @@ class Pair(NamedTuple):
   second: jax.Array
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_paths_join_dict_keys_attribute_names_and_sequence_indices():
   tree = {
     "params": {"Dense_0": {"kernel": jnp.ones(2)}},
@@ -405,6 +406,7 @@ def nnx_loss(model, batch):
   return optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1]).mean()
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_nnx_train_step_reports_the_overflowing_layer():
   model = NnxTwoInputs(nnx.Rngs(0))
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=OVERFLOW_SCALE)
@@ -415,6 +417,7 @@ def test_nnx_train_step_reports_the_overflowing_layer():
   assert metrics["nonfinite_report"].nonfinite_paths() == ("big_in/kernel",)
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_equinox_float16_overflow_is_pinned_to_the_layer():
   class Model(eqx.Module):
     small_in: eqx.nn.Linear
@@ -438,6 +441,7 @@ def test_equinox_float16_overflow_is_pinned_to_the_layer():
   assert report.nonfinite_paths() == ("big_in/weight",)
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_benchmark_script_runs_and_prints_the_ratio_and_an_example_report():
   from benchmarks import bench_nonfinite
 
