@@ -3,9 +3,6 @@
 import textwrap
 
 import cpu_devices
-import pytest
-
-# One test on four virtual CPU devices (a subprocess): in the fast subset too.
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np

@@ -17,7 +17,6 @@ import cpu_devices
 import numpy as np
 import pytest
 
-
 SCRIPT = textwrap.dedent(
   """
     import json

@@ -35,7 +35,6 @@ from jax import lax
 
 import jaxamp
 
-
 STEPS = 300
 MAX_BURST = 40
 PARAMS = {
