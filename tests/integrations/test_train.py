@@ -100,6 +100,7 @@ def test_linen_step_loss_is_the_unscaled_loss():
   np.testing.assert_allclose(metrics["loss"], linen_loss(mlp_params(), BATCH), rtol=1e-6)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_updates_params_and_step_count():
   state = linen_state(scaler())
   new_state, _ = linen_step(state)
@@ -177,6 +178,7 @@ def test_linen_step_skips_a_non_finite_loss_and_backs_off():
   assert leaves_equal(new_state.params, state.params)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_grows_the_scale_after_growth_interval_finite_steps():
   state = linen_state(scaler(init_scale=8.0, growth_interval=2))
   scales = []
@@ -359,6 +361,7 @@ def test_nnx_step_updates_batch_norm_running_statistics(device_type):
   assert not np.allclose(model.norm.mean[...], 0.0) and not np.allclose(model.norm.var[...], 1.0)
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_nnx_step_keeps_batch_norm_running_statistics_float32(device_type):
   model, optimizer = nnx_setup(scaler())
@@ -366,6 +369,7 @@ def test_nnx_step_keeps_batch_norm_running_statistics_float32(device_type):
   assert (model.norm.mean[...].dtype, model.norm.var[...].dtype) == (F32, F32)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_batch_norm_statistics_are_close_to_the_float32_step():
   model, optimizer = nnx_setup(scaler())
   nnx_step(model, optimizer)
@@ -404,6 +408,7 @@ def test_nnx_step_with_autocast_disabled_matches_a_hand_written_step():
   jax.tree.map(np.testing.assert_allclose, params_of(model), params_of(reference))
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_skips_a_non_finite_loss_and_backs_off():
   model, optimizer = nnx_setup(scaler(init_scale=8.0))
   before = params_of(model)
@@ -417,12 +422,14 @@ def test_nnx_step_skips_a_non_finite_loss_and_backs_off():
   assert float(jaxamp.scaler.get_scale(optimizer)) == 4.0
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_multiplies_the_loss_by_the_scale():
   model, optimizer = nnx_setup(scaler(init_scale=2.0**40))
   metrics = nnx_step(model, optimizer)
   assert bool(metrics["found_inf"]) and float(metrics["scale"]) == 2.0**39
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_returns_the_loss_functions_aux_in_metrics():
   def loss_with_aux(model, batch):
     logits = model(batch[0])
@@ -489,6 +496,7 @@ def test_nnx_step_draws_a_new_dropout_mask_each_step():
   assert losses[0] != losses[1]
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_with_multi_steps_updates_once_per_window():
   tx = jaxamp.multi_steps(scaler(init_scale=8.0, growth_interval=1), every_k_schedule=2)
   model, optimizer = nnx_setup(tx)
