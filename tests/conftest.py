@@ -7,8 +7,9 @@ one skipped test, ``live_torch_comparisons``, says how many there are and how to
 a line at the end of the run; the comparisons with the recorded golden files run either way.
 ``JAXAMP_TESTS_WITHOUT_TORCH=1`` runs the tests as if torch were not installed.
 
-The notebooks (collected from ``notebooks/`` by nbmake) are marked ``slow``, as the slow test
-modules are: ``python -m pytest -m "not slow"`` is the fast subset.
+The notebooks (collected from ``notebooks/`` by nbmake) are marked ``slow``, as the slow tests
+are: ``python -m pytest -m "not slow"`` is the fast subset, in which every test module keeps some
+tests (``fast_subset.first_of_each_family`` picks them in the large parametrizations).
 """
 
 from __future__ import annotations

@@ -334,6 +334,7 @@ def float32_ode(adjoint_name: str):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, y0)
 
 
+@pytest.mark.slow  # diffrax solves
 @pytest.mark.parametrize("device_type", POLICIES)
 @pytest.mark.parametrize("adjoint", ADJOINTS)
 def test_diffrax_solve_forward(adjoint, device_type):
@@ -343,6 +344,7 @@ def test_diffrax_solve_forward(adjoint, device_type):
   assert_close(actual, float32_ode(adjoint)[0], device_type)
 
 
+@pytest.mark.slow  # diffrax solves
 @pytest.mark.parametrize("device_type", POLICIES)
 @pytest.mark.parametrize("adjoint", ADJOINTS)
 def test_diffrax_solve_gradient(adjoint, device_type):

@@ -232,6 +232,7 @@ def test_weight_gradient_matmuls_keep_their_output_transposes_unfolded_on_cpu(po
   assert "optimization_barrier" in step.lower(PARAMS).as_text()
 
 
+@pytest.mark.slow  # compiles many transforms
 @pytest.mark.parametrize("policy", ["cuda"])  # bfloat16 keeps its 16-bit result on XLA:CPU
 def test_weight_gradients_are_the_float32_sums_of_the_16_bit_products(policy):
   """Not rounded to 16 bits: the float32 sums of the products of the 16-bit operands."""
@@ -266,6 +267,7 @@ def test_forward_pass_is_bit_identical_and_adds_no_compiled_ops():
   assert count(new_hlo) == count(old_hlo)
 
 
+@pytest.mark.slow  # compiles many transforms
 def test_forward_mode_works_and_agrees_with_the_old_tangents():
   """jvp runs the custom rule: the same tangent terms, a bias's summed in float32."""
   tangent = jax.tree.map(jnp.ones_like, PARAMS)
@@ -278,6 +280,7 @@ def test_forward_mode_works_and_agrees_with_the_old_tangents():
   np.testing.assert_allclose(new[1], old[1], rtol=1e-3)
 
 
+@pytest.mark.slow  # compiles many transforms
 def test_vmap_inside_and_outside_grad():
   loss = loss_of("cuda")
   per_example = jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), in_axes=(None, 0))(PARAMS, X)
@@ -295,6 +298,7 @@ def test_vmap_inside_and_outside_grad():
       assert {a.aval.dtype for a in eqn.invars} == {jnp.dtype(jnp.float16)}, eqn
 
 
+@pytest.mark.slow  # compiles many transforms
 def test_hessian_vector_products_and_grad_of_grad():
   loss = loss_of("cuda")
   tangent = jax.tree.map(jnp.ones_like, PARAMS)

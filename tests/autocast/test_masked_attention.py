@@ -43,6 +43,7 @@ def value_and_grad_finite(loss, *args):
   assert_finite(grads)
 
 
+@pytest.mark.slow  # flax attention under every policy
 @policies
 def test_linen_attention_with_a_padding_mask_is_finite(device_type, dtype):
   module = nn.MultiHeadDotProductAttention(num_heads=2)
@@ -63,6 +64,7 @@ def test_linen_attention_with_a_padding_mask_matches_float32(device_type, dtype)
   np.testing.assert_allclose(out.astype(jnp.float32), reference, rtol=0.1, atol=0.1)
 
 
+@pytest.mark.slow  # flax attention under every policy
 @policies
 def test_nnx_attention_with_a_padding_mask_is_finite(device_type, dtype):
   module = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0))

@@ -36,7 +36,8 @@ from jax.extend import core as jex_core
 
 import jaxamp
 
-pytestmark = pytest.mark.slow  # hypothesis: many examples, each compiles
+# The properties are slow (hypothesis: many examples, each traced or compiled) but one: the
+# fast subset traces the cpu policy's plain programs.
 
 DEVICES = ("cuda", "xpu", "cpu")
 LOW = {
@@ -338,6 +339,7 @@ devices = pytest.mark.parametrize("device", DEVICES)
 # Tracing and types.
 
 
+@pytest.mark.slow
 @devices
 @seed(SEED)
 @STRUCTURE
@@ -351,6 +353,7 @@ def test_random_program_traces_and_its_rewritten_jaxpr_type_checks(device, progr
     assert out.aval.shape == (strategies.B, strategies.D) and _is_float(out.aval.dtype)
 
 
+@pytest.mark.slow
 @devices
 @seed(SEED)
 @STRUCTURE
@@ -367,6 +370,7 @@ def test_gradient_of_random_program_type_checks(device, program):
 # Dtypes the policy asks for.
 
 
+@pytest.mark.slow
 @devices
 @seed(SEED)
 @STRUCTURE
@@ -380,6 +384,7 @@ def test_every_dot_and_conv_runs_in_the_low_dtype(device, program):
     assert set(ins) == {LOW[device]} and set(outs) == {LOW[device]}, (ins, outs)
 
 
+@pytest.mark.slow
 @devices
 @seed(SEED)
 @STRUCTURE
@@ -405,6 +410,7 @@ def test_cpu_policy_runs_exp_log1p_tanh_and_max_in_the_dtype_of_their_input(prog
         assert not any(is_var(a) and a in casts for a in eqn.invars), eqn
 
 
+@pytest.mark.slow
 @devices
 @seed(SEED)
 @STRUCTURE
@@ -416,6 +422,7 @@ def test_every_layer_returns_the_dtype_torch_autocast_gives(device, program):
   assert actual == expected, list(zip(program.layers, actual, expected, strict=True))
 
 
+@pytest.mark.slow
 @devices
 @seed(SEED)
 @STRUCTURE
@@ -464,6 +471,7 @@ def torch_leaf(kind: str, h, torch):
   }[kind]()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", strategies.LEAF_KINDS)
 @pytest.mark.parametrize("dtype", [F32, LOW["cpu"]], ids=["float32", "bfloat16"])
 def test_dtype_model_matches_torch_cpu_autocast(kind, dtype):
@@ -481,6 +489,7 @@ def test_dtype_model_matches_torch_cpu_autocast(kind, dtype):
 # Gradients and numerics against the float32 run.
 
 
+@pytest.mark.slow
 @seed(SEED)
 @NUMERIC
 @given(program=GRADIENT_PROGRAMS)
@@ -493,6 +502,7 @@ def test_float32_params_and_inputs_get_float32_gradients(program):
     assert {x.dtype for x in jax.tree.leaves(grads)} == {F32}, device
 
 
+@pytest.mark.slow
 @devices
 @seed(SEED)
 @NUMERIC
@@ -503,6 +513,7 @@ def test_outputs_agree_with_the_float32_run_within_the_low_dtype_tolerance(devic
   assert_close_where_not_tiny(runs[device], runs["float32"], tolerance(device))
 
 
+@pytest.mark.slow
 @devices
 @seed(SEED)
 @NUMERIC
@@ -513,6 +524,7 @@ def test_loss_agrees_with_the_float32_run_within_the_low_dtype_tolerance(device,
   assert_close_where_not_tiny(runs[device][0], runs["float32"][0], tolerance(device))
 
 
+@pytest.mark.slow
 @devices
 @seed(SEED)
 @NUMERIC
@@ -531,6 +543,7 @@ W = jnp.linspace(-0.5, 0.5, 64, dtype=jnp.float32).reshape(8, 8)
 BIAS = jnp.linspace(0.0, 0.1, 8, dtype=jnp.float32)
 
 
+@pytest.mark.slow
 @devices
 def test_second_broadcast_add_after_a_dense_layer_promotes_like_torch(device):
   fun = lambda x, w, b, p: (x @ w + b) + p  # a Dense layer, then e.g. a position embedding
@@ -544,6 +557,7 @@ SCALAR_THROUGH_JIT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", sorted(SCALAR_THROUGH_JIT))
 def test_python_scalar_passed_through_a_jit_follows_the_other_operand(op):
   fun = lambda x, w: SCALAR_THROUGH_JIT[op](x @ w)
@@ -563,6 +577,7 @@ def test_python_scalar_passed_through_a_jit_follows_the_other_operand(op):
     allow_while=False, smooth=True, max_layers=2, depth=1, force_nested_custom_vjp=True
   )
 )
+@pytest.mark.slow
 def test_gradient_of_a_custom_vjp_nested_in_another_higher_order_primitive_traces(program):
   params = program.init()
   x, ct, flag = program.inputs()

@@ -67,6 +67,7 @@ def _jvp_rule_linearizations(fun, params, monkeypatch) -> collections.Counter:
   return counts
 
 
+@pytest.mark.slow  # counts linearizations of a deep program
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_grad_linearizes_each_repeated_operation_once(device_type, monkeypatch):
   shallow, deep = (

@@ -3,9 +3,6 @@
 import textwrap
 
 import cpu_devices
-import pytest
-
-pytestmark = pytest.mark.slow  # a subprocess on several virtual CPU devices
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np

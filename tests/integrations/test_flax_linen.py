@@ -164,6 +164,7 @@ def test_layer_output_has_torch_dtype(name, device_type, low):
   assert out.dtype == expected_dtype(name, low)
 
 
+@pytest.mark.slow  # every layer under every policy, compiled
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_layer_output_is_close_to_float32(name, device_type, low):
@@ -171,6 +172,7 @@ def test_layer_output_is_close_to_float32(name, device_type, low):
   assert_close(out, run(name)[0], VALUE_RTOL)
 
 
+@pytest.mark.slow  # every layer's gradients under every policy
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_param_gradients_are_float32_and_close_to_float32(name, device_type, low):

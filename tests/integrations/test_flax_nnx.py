@@ -119,6 +119,7 @@ def batch_stats(snap):
 # --- outputs -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles under every spelling
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_linear_and_conv_outputs_are_low_dtype(mode, device_type, low):
@@ -241,6 +242,7 @@ def probe_loss(model, x, device_type=None):
   return jnp.sum(out["head"].astype(jnp.float32) * probe)
 
 
+@pytest.mark.slow  # compiles under every spelling
 @pytest.mark.parametrize("device_type,low", POLICIES)
 def test_param_gradients_are_float32_and_close_to_float32(device_type, low):
   grads = nnx.jit(nnx.grad(functools.partial(probe_loss, device_type=device_type)))(new_net(), X)
@@ -266,6 +268,7 @@ def test_module_passed_directly_keeps_batch_norm_statistics(mode, device_type, l
   assert not np.allclose(model.mean[...], 0.0)
 
 
+@pytest.mark.slow  # compiles under every spelling
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_module_passed_directly_advances_its_rng_counter(mode, device_type, low):

@@ -17,8 +17,6 @@ import cpu_devices
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # a subprocess on several virtual CPU devices
-
 SCRIPT = textwrap.dedent(
   """
     import json
@@ -117,6 +115,42 @@ SCRIPT = textwrap.dedent(
 )
 
 
+TWO_DEVICES = textwrap.dedent(
+  """
+    import flax.linen as nn
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxamp
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    model = nn.Dense(4)
+    x = jnp.ones((8, 16))
+    params = model.init(jax.random.key(0), x)
+    tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+    loss_fn = jaxamp.autocast(lambda p, x: model.apply(p, x).sum(), device_type="cuda")
+
+    @jax.jit
+    def step(p, s, x):
+      grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, x), s))(p)
+      updates, s = tx.update(grads, s, p)
+      return optax.apply_updates(p, updates), s
+
+    data = NamedSharding(mesh, P("data"))
+    bad = jax.device_put(x.at[7, 0].set(jnp.inf), data)  # row 7 lives on the second device
+    new, state = step(params, tx.init(params), bad)
+    assert bool(state.found_inf) and float(state.scale) == 2.0**15, state
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new),
+                                                   jax.tree.leaves(params)))
+    print("OK")
+  """
+)
+
+
+def test_an_inf_on_one_of_two_devices_skips_the_data_parallel_step():
+  out = cpu_devices.run_script(TWO_DEVICES, devices=2)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def result():
   return cpu_devices.run_json(SCRIPT, devices=8)
@@ -126,33 +160,39 @@ PARALLEL = ("named_sharding", "shard_map")
 OVERFLOW_STEP = 2
 
 
+@pytest.mark.slow  # 8 devices, three training runs
 def test_runs_on_eight_devices(result):
   assert result["devices"] == 8
   for name in PARALLEL:
     assert all(entry["copies"] == 8 for entry in result[name]["log"]), name
 
 
+@pytest.mark.slow  # 8 devices, three training runs
 def test_model_computes_in_float16(result):
   assert {e["low_precision_logits"] for e in result["single"]["log"]} == {"float16"}
 
 
+@pytest.mark.slow  # 8 devices, three training runs
 @pytest.mark.parametrize("name", PARALLEL)
 def test_data_parallel_params_match_the_single_device_run(result, name):
   for ours, single in zip(result[name]["params"], result["single"]["params"], strict=True):
     np.testing.assert_allclose(ours, single, rtol=2e-3, atol=2e-4)
 
 
+@pytest.mark.slow  # 8 devices, three training runs
 @pytest.mark.parametrize("name", PARALLEL)
 def test_every_device_holds_the_same_params_after_every_step(result, name):
   assert all(entry["copies_agree"] for entry in result[name]["log"])
 
 
+@pytest.mark.slow  # 8 devices, three training runs
 @pytest.mark.parametrize("name", PARALLEL)
 def test_data_parallel_params_stay_float32_and_replicated(result, name):
   assert set(result[name]["param_dtypes"]) == {"float32"}
   assert result[name]["param_sharding_replicated"]
 
 
+@pytest.mark.slow  # 8 devices, three training runs
 @pytest.mark.parametrize("name", ("single", *PARALLEL))
 def test_overflow_on_one_device_skips_the_step_on_every_device(result, name):
   entry = result[name]["log"][OVERFLOW_STEP]
@@ -161,6 +201,7 @@ def test_overflow_on_one_device_skips_the_step_on_every_device(result, name):
   assert entry["unchanged"]  # every device's copy of every param is bit-identical
 
 
+@pytest.mark.slow  # 8 devices, three training runs
 @pytest.mark.parametrize("name", ("single", *PARALLEL))
 def test_overflow_on_one_device_backs_the_scale_off_once_on_every_device(result, name):
   log = result[name]["log"]
@@ -168,6 +209,7 @@ def test_overflow_on_one_device_backs_the_scale_off_once_on_every_device(result,
   assert len(set(before)) == 1 and after == [before[0] / 2] * len(after)
 
 
+@pytest.mark.slow  # 8 devices, three training runs
 @pytest.mark.parametrize("name", ("single", *PARALLEL))
 def test_finite_steps_update_params_and_grow_the_scale_like_the_single_device_run(result, name):
   log = result[name]["log"]

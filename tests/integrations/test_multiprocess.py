@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -28,8 +29,6 @@ import multiprocess_worker as worker
 import numpy as np
 import pytest
 from paths import TESTS
-
-pytestmark = pytest.mark.slow  # two JAX processes of two CPU devices each
 
 WORKER = str(TESTS / "multiprocess_worker.py")
 TIMEOUT = 240  # seconds, for each group of processes
@@ -104,6 +103,7 @@ def assert_close(a, b):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_each_process_holds_two_of_the_four_devices_of_the_mesh(reports):
   for i, report in enumerate(reports["pair"] + reports["restored"]):
     assert report["process_index"] == i % 2
@@ -111,6 +111,7 @@ def test_each_process_holds_two_of_the_four_devices_of_the_mesh(reports):
     assert (report["devices"], report["local_devices"]) == (4, 2)
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 @pytest.mark.parametrize("scenario", TRAINED)
 def test_every_process_agrees_bit_for_bit_on_loss_scale_found_inf_and_params(reports, scenario):
   first, second = (report[scenario] for report in reports["pair"])
@@ -121,6 +122,7 @@ def test_every_process_agrees_bit_for_bit_on_loss_scale_found_inf_and_params(rep
       assert len({json.dumps(v) for v in entry[field]}) == 1, (field, entry)
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 @pytest.mark.parametrize("scenario", TRAINED)
 def test_the_processes_match_a_single_process_run_of_the_same_global_batches(reports, scenario):
   pair, single = reports["pair"][0][scenario], reports["single"][scenario]
@@ -131,6 +133,7 @@ def test_the_processes_match_a_single_process_run_of_the_same_global_batches(rep
   assert_close(pair["params"], single["params"])
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_fsdp_keeps_params_and_optimizer_state_sharded_over_the_processes(reports):
   for report in reports["pair"]:
     assert report["fsdp"]["sharded_params"] == [4, 4]  # every leaf split over the 4 devices
@@ -138,11 +141,13 @@ def test_fsdp_keeps_params_and_optimizer_state_sharded_over_the_processes(report
     assert report["data_parallel"]["sharded_params"] == [0, 4]
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_fsdp_processes_agree_bit_for_bit_on_the_optimizer_state(reports):
   first, second = (report["fsdp"] for report in reports["pair"])
   assert first["opt_state"] == second["opt_state"]
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 @pytest.mark.parametrize("scenario", TRAINED)
 def test_an_inf_in_one_process_rows_skips_the_step_in_every_process(reports, scenario):
   pair = [report[scenario]["log"] for report in reports["pair"]]
@@ -157,18 +162,21 @@ def test_an_inf_in_one_process_rows_skips_the_step_in_every_process(reports, sce
     assert log[worker.OVERFLOW_STEP]["scale"] == [worker.INIT_SCALE / 2] * 2
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_make_train_step_reports_the_skip_in_its_metrics_in_every_process(reports):
   for report in reports["pair"]:
     skipped = [entry["skipped_steps"] for entry in report["train_step"]["log"]]
     assert skipped == [[0, 0]] + [[1, 1]] * (worker.STEPS - 1)
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_the_shard_map_step_with_axis_name_matches_the_jit_fsdp_step(reports):
   for report in reports["pair"]:
     assert report["shard_map"]["sharded_params"] == [4, 4]
     assert_close(report["shard_map"]["params"], report["fsdp"]["params"])
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_with_axis_name_an_inf_in_one_process_shard_skips_every_device(reports):
   for report in reports["pair"]:
     with_axis = report["axis_name"]["with"]
@@ -176,12 +184,14 @@ def test_with_axis_name_an_inf_in_one_process_shard_skips_every_device(reports):
     assert with_axis["scale"] == [worker.INIT_SCALE / 2] * 2
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_without_axis_name_only_the_device_holding_the_inf_skips(reports):
   first, second = (report["axis_name"]["without"] for report in reports["pair"])
   assert first["found_inf"] == [False, False] and second["found_inf"] == [False, True]
   assert second["scale"] == [worker.INIT_SCALE, worker.INIT_SCALE / 2]
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_without_axis_name_check_vma_rejects_the_replicated_scale(reports):
   for report in reports["pair"]:
     error = report["axis_name"]["without_check_vma_error"]
@@ -191,6 +201,7 @@ def test_without_axis_name_check_vma_rejects_the_replicated_scale(reports):
 # --- the checkpoint, restored by a new pair of processes -----------------------------------------
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_a_new_pair_of_processes_restores_the_checkpoint_bit_for_bit(reports):
   saved = reports["pair"][0]["fsdp"]["at_checkpoint"]
   for report in reports["restored"]:
@@ -200,6 +211,7 @@ def test_a_new_pair_of_processes_restores_the_checkpoint_bit_for_bit(reports):
     assert report["restore"]["sharded_opt_state"] == [8, 13]
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_the_restored_run_continues_bit_identically_to_the_uninterrupted_one(reports):
   uninterrupted = reports["pair"][0]["fsdp"]
   for report in reports["restored"]:
@@ -209,6 +221,7 @@ def test_the_restored_run_continues_bit_identically_to_the_uninterrupted_one(rep
     assert restored["opt_state"] == uninterrupted["opt_state"]
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_the_restored_growth_tracker_grows_the_scale_on_schedule(reports):
   saved = reports["pair"][0]["fsdp"]["at_checkpoint"]["state_dict"]
   assert saved["_growth_tracker"] == 1 and saved["scale"] == worker.INIT_SCALE / 2
@@ -216,6 +229,7 @@ def test_the_restored_growth_tracker_grows_the_scale_on_schedule(reports):
   assert first_step["scale"] == [worker.INIT_SCALE] * 2  # the interval of 2 completes here
 
 
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_load_state_dict_restores_an_overwritten_scale_in_every_process(reports):
   uninterrupted = reports["pair"][0]["fsdp"]
   for report in reports["restored"]:
@@ -228,6 +242,22 @@ def test_load_state_dict_restores_an_overwritten_scale_in_every_process(reports)
     assert loaded["params"] == uninterrupted["params"]
 
 
+def test_the_listening_check_finds_a_listening_socket_and_tells_loopback_from_any_address():
+  """What the loopback test relies on: the sockets a process listens on, classified."""
+  if multiprocess_launcher.listening_addresses() is None:
+    pytest.skip("no /proc/self/net here: the listening sockets cannot be listed")
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    assert f"127.0.0.1:{port}" in multiprocess_launcher.listening_addresses()
+  assert multiprocess_launcher.is_loopback(f"127.0.0.1:{port}")
+  assert multiprocess_launcher.is_loopback("::ffff:127.0.0.1:80")
+  assert not multiprocess_launcher.is_loopback("0.0.0.0:80")
+  assert not multiprocess_launcher.is_loopback("10.1.2.3:80")
+
+
+@pytest.mark.slow  # two JAX processes of two CPU devices each
 def test_the_processes_listen_on_loopback_only(reports):
   listening = [report["listening"] for report in reports["pair"] + reports["restored"]]
   if None in listening:

@@ -96,6 +96,7 @@ def assert_same_state(found, expected):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2)
 
 
+@pytest.mark.slow  # every nnx transform
 @pytest.mark.parametrize("model_name,transform_name", CASES)
 def test_module_as_the_function_updates_state_like_plain_nnx(model_name, transform_name):
   assert_same_state(
@@ -104,6 +105,7 @@ def test_module_as_the_function_updates_state_like_plain_nnx(model_name, transfo
   )
 
 
+@pytest.mark.slow  # every nnx transform
 @pytest.mark.parametrize("model_name,transform_name", CASES)
 def test_module_as_an_argument_updates_state_like_plain_nnx(model_name, transform_name):
   assert_same_state(

@@ -47,12 +47,10 @@ from real_world import equinox_examples, flax_lm1b, flax_nnx_mnist, flax_resnet
 
 import jaxamp
 
-pytestmark = [
-  pytest.mark.slow,  # trains real models (ResNet, lm1b, nnx MNIST, Equinox) for a few steps
-  pytest.mark.filterwarnings(  # lm1b's model code uses linen's SelfAttention
-    "ignore:SelfAttention will be deprecated:DeprecationWarning"
-  ),
-]
+# The tests that train the real models (ResNet, lm1b, nnx MNIST, Equinox) are marked slow.
+pytestmark = pytest.mark.filterwarnings(  # lm1b's model code uses linen's SelfAttention
+  "ignore:SelfAttention will be deprecated:DeprecationWarning"
+)
 
 STEPS, LOSS_RTOL = 8, 0.15
 F32 = jnp.dtype(jnp.float32)
@@ -357,6 +355,7 @@ WITH_STATE = ["flax_resnet", "nnx_mnist", "equinox_stateful", "haiku_resnet"]
 # --- the float32 baseline trains -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", TRAIN)
 def test_float32_baseline_loss_decreases(model):
   losses = TRAIN[model]("float32").losses
@@ -366,6 +365,7 @@ def test_float32_baseline_loss_decreases(model):
 # --- dtypes inside the step ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", MIXED)
 @pytest.mark.parametrize("model", TRAIN)
 def test_dots_and_convs_run_in_the_low_dtype(model, policy):
@@ -374,6 +374,7 @@ def test_dots_and_convs_run_in_the_low_dtype(model, policy):
   assert not matmuls_off_dtype(jaxpr, POLICIES[policy].low)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", TRAIN)
 def test_float8_dots_and_convs_run_on_float8_operands(model):
   jaxpr = TRAIN[model]("float8").jaxpr
@@ -381,6 +382,7 @@ def test_float8_dots_and_convs_run_on_float8_operands(model):
   assert not matmuls_without_float8_operands(jaxpr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", WITH_RSQRT_NORMS)
 def test_norms_compute_their_rsqrt_in_float32(model, policy):
@@ -415,12 +417,14 @@ def test_equinox_batch_norm_divides_by_a_float32_sqrt(policy):
 # --- state ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", WITH_STATE)
 def test_model_state_keeps_float32_dtypes_after_training(model, policy):
   assert dtypes(TRAIN[model](policy).state) == dtypes(TRAIN[model]("float32").state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", WITH_STATE)
 def test_model_state_stays_finite(model, policy):
@@ -431,12 +435,14 @@ def test_model_state_stays_finite(model, policy):
 # --- losses --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", TRAIN)
 def test_mixed_precision_losses_are_finite(model, policy):
   assert np.isfinite(TRAIN[model](policy).losses).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ALL_MIXED)
 @pytest.mark.parametrize("model", TRAIN)
 def test_final_loss_is_close_to_float32s(model, policy):
@@ -444,11 +450,13 @@ def test_final_loss_is_close_to_float32s(model, policy):
   assert mixed[-1] == pytest.approx(baseline[-1], rel=LOSS_RTOL), (mixed, baseline)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", TRAIN)
 def test_float16_run_skips_no_step(model):
   assert TRAIN[model]("float16").skipped == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", MIXED)
 def test_resnet_gradients_are_as_close_to_float32_as_with_flax_dtype(policy):
   """The first step's gradients, against flax's own ``dtype=`` path (5% slack for rounding)."""
@@ -459,6 +467,7 @@ def test_resnet_gradients_are_as_close_to_float32_as_with_flax_dtype(policy):
   assert error(autocast) <= 1.05 * error(flax_dtype), (error(autocast), error(flax_dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", MIXED)
 def test_resnet_losses_are_as_close_to_float32_as_with_flax_dtype(policy):
   """Mean deviation over the steps, against flax's ``dtype=`` path (both are rounding noise)."""
@@ -468,6 +477,7 @@ def test_resnet_losses_are_as_close_to_float32_as_with_flax_dtype(policy):
   assert autocast <= 1.25 * flax_dtype, (autocast, flax_dtype)
 
 
+@pytest.mark.slow
 def test_lm1b_fully_masked_padding_rows_give_finite_float16_logits():
   tokens = lm1b_tokens()
   model = flax_lm1b.TransformerLM(LM1B_CONFIG)

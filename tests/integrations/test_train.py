@@ -82,6 +82,7 @@ def linen_step(state, poison=1.0, device_type="cuda", enabled=True):
   return _linen_step(device_type, enabled)(state, BATCH, jnp.float32(poison))
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_returns_loss_scale_found_inf_and_skipped_steps():
   _, metrics = linen_step(linen_state(scaler(init_scale=8.0)))
   assert set(metrics) == {"loss", "scale", "found_inf", "skipped_steps"}
@@ -93,11 +94,13 @@ def test_linen_step_returns_loss_scale_found_inf_and_skipped_steps():
   ) == (F32, 8.0, False, 0)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_loss_is_the_unscaled_loss():
   _, metrics = linen_step(linen_state(scaler(init_scale=1024.0)), enabled=False)
   np.testing.assert_allclose(metrics["loss"], linen_loss(mlp_params(), BATCH), rtol=1e-6)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_updates_params_and_step_count():
   state = linen_state(scaler())
   new_state, _ = linen_step(state)
@@ -135,6 +138,7 @@ def test_linen_step_with_autocast_disabled_runs_in_float32():
   assert {ins for ins, _ in jaxpr_utils.dtypes_of(jaxpr, "dot_general")} == {(F32, F32)}
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_with_autocast_disabled_matches_a_hand_written_step():
   state = linen_state(optax.sgd(0.1))
   new_state, _ = linen_step(state, enabled=False)
@@ -149,6 +153,7 @@ def test_linen_step_without_a_scaler_trains_unscaled_and_reports_scale_one():
   assert (float(metrics["scale"]), bool(metrics["found_inf"]), int(state.step)) == (1.0, False, 1)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_scaled_step_updates_like_the_unscaled_step():
   scaled, _ = linen_step(linen_state(scaler(init_scale=2.0**12)))
   unscaled, _ = linen_step(linen_state(optax.sgd(0.1)))
@@ -173,6 +178,7 @@ def test_linen_step_skips_a_non_finite_loss_and_backs_off():
   assert leaves_equal(new_state.params, state.params)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_grows_the_scale_after_growth_interval_finite_steps():
   state = linen_state(scaler(init_scale=8.0, growth_interval=2))
   scales = []
@@ -187,6 +193,7 @@ def test_linen_step_passes_extra_arguments_to_the_loss_function():
   np.testing.assert_allclose(metrics["loss"], 2.0 * linen_loss(mlp_params(), BATCH), rtol=1e-6)
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("enabled", [True, False], ids=["autocast", "float32"])
 def test_linen_step_passes_a_key_and_keyword_arguments_to_the_loss_function(enabled):
   def loss_fn(params, batch, dropout_key, *, poison):
@@ -198,6 +205,7 @@ def test_linen_step_passes_a_key_and_keyword_arguments_to_the_loss_function(enab
   assert np.isfinite(metrics["loss"])
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_returns_the_loss_functions_aux_in_metrics():
   def loss_with_aux(params, batch):
     logits = MLP().apply({"params": params}, batch[0])
@@ -209,6 +217,7 @@ def test_linen_step_returns_the_loss_functions_aux_in_metrics():
   assert metrics["aux"]["logits"].shape == (16, 3)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_carries_batch_norm_statistics_through_aux():
   class State(TrainState):
     batch_stats: dict
@@ -238,6 +247,7 @@ def test_linen_step_carries_batch_norm_statistics_through_aux():
   assert {s.dtype for s in jax.tree.leaves(new_stats)} == {F32}
 
 
+@pytest.mark.slow  # compiles a train step
 def test_linen_step_runs_without_jit():
   state, metrics = make_train_step(linen_loss, device_type="cpu")(linen_state(scaler()), BATCH)
   assert int(state.step) == 1 and np.isfinite(metrics["loss"])
@@ -343,6 +353,7 @@ def test_nnx_step_keeps_float32_params():
   assert {p.dtype for p in jax.tree.leaves(params_of(model))} == {F32}
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_nnx_step_updates_batch_norm_running_statistics(device_type):
   model, optimizer = nnx_setup(scaler())
@@ -350,6 +361,7 @@ def test_nnx_step_updates_batch_norm_running_statistics(device_type):
   assert not np.allclose(model.norm.mean[...], 0.0) and not np.allclose(model.norm.var[...], 1.0)
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_nnx_step_keeps_batch_norm_running_statistics_float32(device_type):
   model, optimizer = nnx_setup(scaler())
@@ -357,6 +369,7 @@ def test_nnx_step_keeps_batch_norm_running_statistics_float32(device_type):
   assert (model.norm.mean[...].dtype, model.norm.var[...].dtype) == (F32, F32)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_batch_norm_statistics_are_close_to_the_float32_step():
   model, optimizer = nnx_setup(scaler())
   nnx_step(model, optimizer)
@@ -395,6 +408,7 @@ def test_nnx_step_with_autocast_disabled_matches_a_hand_written_step():
   jax.tree.map(np.testing.assert_allclose, params_of(model), params_of(reference))
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_skips_a_non_finite_loss_and_backs_off():
   model, optimizer = nnx_setup(scaler(init_scale=8.0))
   before = params_of(model)
@@ -408,12 +422,14 @@ def test_nnx_step_skips_a_non_finite_loss_and_backs_off():
   assert float(jaxamp.scaler.get_scale(optimizer)) == 4.0
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_multiplies_the_loss_by_the_scale():
   model, optimizer = nnx_setup(scaler(init_scale=2.0**40))
   metrics = nnx_step(model, optimizer)
   assert bool(metrics["found_inf"]) and float(metrics["scale"]) == 2.0**39
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_returns_the_loss_functions_aux_in_metrics():
   def loss_with_aux(model, batch):
     logits = model(batch[0])
@@ -424,6 +440,7 @@ def test_nnx_step_returns_the_loss_functions_aux_in_metrics():
   assert metrics["aux"].shape == (16, 3)
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_runs_without_jit():
   model, optimizer = nnx_setup(scaler())
   metrics = make_nnx_train_step(nnx_loss, device_type="cpu")(model, optimizer, BATCH)
@@ -450,6 +467,7 @@ def dropout_loss_keyword(model, batch, *, rngs):
   return dropout_loss(model, batch, rngs)
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("enabled", [True, False], ids=["autocast", "float32"])
 @pytest.mark.parametrize("mode", ["eager", "nnx_jit"])
 def test_nnx_step_passes_an_rngs_argument_to_the_loss_function(mode, enabled):
@@ -460,6 +478,7 @@ def test_nnx_step_passes_an_rngs_argument_to_the_loss_function(mode, enabled):
   assert np.isfinite(metrics["loss"]) and int(rngs.dropout.count[...]) == 1
 
 
+@pytest.mark.slow  # compiles a train step
 @pytest.mark.parametrize("enabled", [True, False], ids=["autocast", "float32"])
 def test_nnx_step_passes_keyword_arguments_to_the_loss_function(enabled):
   model = DropoutNet(nnx.Rngs(0))
@@ -477,6 +496,7 @@ def test_nnx_step_draws_a_new_dropout_mask_each_step():
   assert losses[0] != losses[1]
 
 
+@pytest.mark.slow  # compiles a train step
 def test_nnx_step_with_multi_steps_updates_once_per_window():
   tx = jaxamp.multi_steps(scaler(init_scale=8.0, growth_interval=1), every_k_schedule=2)
   model, optimizer = nnx_setup(tx)

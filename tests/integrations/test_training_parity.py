@@ -25,8 +25,6 @@ from flax.training.train_state import TrainState
 import jaxamp
 from jaxamp._src.integrations.train import make_nnx_train_step, make_train_step
 
-pytestmark = pytest.mark.slow  # trains each policy for many steps
-
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
 STEPS, BATCH_SIZE, LEARNING_RATE = 300, 64, 1e-3
@@ -157,6 +155,7 @@ TRAIN = {"linen": train_linen, "nnx": train_nnx}
 # --- the float32 baseline is worth matching ------------------------------------------------------
 
 
+@pytest.mark.slow  # trains each policy for many steps
 @pytest.mark.parametrize("api", TRAIN)
 def test_float32_baseline_learns_the_digits(api):
   assert TRAIN[api]("float32").accuracy > 0.95
@@ -165,6 +164,7 @@ def test_float32_baseline_learns_the_digits(api):
 # --- parity --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # trains each policy for many steps
 @pytest.mark.parametrize("policy", MIXED)
 @pytest.mark.parametrize("api", TRAIN)
 def test_mixed_precision_test_accuracy_is_within_two_points_of_float32(api, policy):
@@ -172,6 +172,7 @@ def test_mixed_precision_test_accuracy_is_within_two_points_of_float32(api, poli
   assert abs(mixed.accuracy - baseline.accuracy) <= ACCURACY_POINTS, (mixed, baseline)
 
 
+@pytest.mark.slow  # trains each policy for many steps
 @pytest.mark.parametrize("policy", MIXED)
 @pytest.mark.parametrize("api", TRAIN)
 def test_mixed_precision_final_loss_is_within_ten_percent_of_float32(api, policy):
@@ -179,13 +180,17 @@ def test_mixed_precision_final_loss_is_within_ten_percent_of_float32(api, policy
   assert mixed.loss == pytest.approx(baseline.loss, rel=LOSS_RTOL), (mixed.loss, baseline.loss)
 
 
+@pytest.mark.slow  # trains each policy for many steps
 @pytest.mark.parametrize("api", TRAIN)
 def test_float16_run_trains_with_a_dynamic_loss_scale(api):
   result = TRAIN[api]("float16")
   assert result.scales.min() > 1.0 and result.skipped <= STEPS // 100
 
 
-@pytest.mark.parametrize("api", TRAIN)
+@pytest.mark.parametrize(
+  "api",
+  ["linen", pytest.param("nnx", marks=pytest.mark.slow)],  # the fast subset: one run
+)
 def test_bfloat16_run_trains_unscaled(api):
   result = TRAIN[api]("bfloat16")
   assert set(result.scales.tolist()) == {1.0} and result.skipped == 0
@@ -194,6 +199,7 @@ def test_bfloat16_run_trains_unscaled(api):
 # --- BatchNorm running statistics (nnx) ----------------------------------------------------------
 
 
+@pytest.mark.slow  # trains each policy for many steps
 @pytest.mark.parametrize("policy", MIXED)
 def test_batch_norm_running_statistics_visibly_update(policy):
   result = train_nnx(policy)
@@ -201,12 +207,14 @@ def test_batch_norm_running_statistics_visibly_update(policy):
   assert np.abs(result.running_var - 1.0).mean() > 0.05
 
 
+@pytest.mark.slow  # trains each policy for many steps
 @pytest.mark.parametrize("policy", MIXED)
 def test_batch_norm_running_statistics_stay_float32(policy):
   result = train_nnx(policy)
   assert (result.running_mean.dtype, result.running_var.dtype) == (jnp.float32, jnp.float32)
 
 
+@pytest.mark.slow  # trains each policy for many steps
 @pytest.mark.parametrize("policy", MIXED)
 def test_batch_norm_running_statistics_track_float32(policy):
   result, baseline = train_nnx(policy), train_nnx("float32")

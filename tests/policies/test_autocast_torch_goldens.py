@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 import torch_goldens
+from fast_subset import first_of_each_family
 from jax import lax
 
 import jaxamp
@@ -560,7 +561,19 @@ def _params() -> list:
   return params
 
 
-PARAMS = _params()
+def _family(param) -> tuple:
+  """A case's family for the fast subset: its list, jaxamp.functional's or not, direct, lowered
+  or a library's counterpart, and the autocast dtype."""
+  label, mode = param.values
+  case, _ = counterpart(label)
+  if label in LIBRARY_COUNTERPARTS:
+    kind = "library"
+  else:
+    kind = "lowered" if label.endswith(LOWERED) else "direct"
+  return case["group"], case["functional"], kind, mode
+
+
+PARAMS = first_of_each_family(_params(), _family)
 
 
 # --- tests -------------------------------------------------------------------------------------

@@ -710,6 +710,7 @@ def test_linear_algebra_runs_in_float32_and_ragged_dot_low_in_every_table():
     assert categories["ragged_dot_general"] is Category.LOWER
 
 
+@pytest.mark.slow  # compiles every primitive under every policy
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
 def test_every_primitive_runs_under_every_policy_on_16_bit_inputs_inside_jit(dtype):
   problems: dict[tuple[str, str], list[str]] = {}

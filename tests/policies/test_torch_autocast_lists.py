@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import script_modules
+from fast_subset import first_of_each_family
 from jax import lax
 from op_list_entries import (
   CONV,
@@ -633,9 +634,17 @@ def _params(device: str) -> list:
   ]
 
 
-CUDA_PARAMS = _params("cuda")
-CUDA_VALUE_PARAMS = [p for p in CUDA_PARAMS if cuda_category_dtype(p.values[0]) != "raises"]
-CPU_PARAMS = _params("cpu")
+def _list_and_mode(param) -> tuple[str, str]:
+  """An entry's family for the fast subset: its list and the autocast dtype."""
+  key, mode = param.values
+  return key.split("/", 1)[0], mode
+
+
+CUDA_PARAMS = first_of_each_family(_params("cuda"), _list_and_mode)
+CUDA_VALUE_PARAMS = first_of_each_family(
+  [p for p in _params("cuda") if cuda_category_dtype(p.values[0]) != "raises"], _list_and_mode
+)
+CPU_PARAMS = first_of_each_family(_params("cpu"), _list_and_mode)
 
 
 # --- every entry accounted for -----------------------------------------------------------------
@@ -668,6 +677,7 @@ def test_spellings_take_the_entries_tensors(device):
       assert spelled == golden[key]["tensors"][mode], (key, mode)
 
 
+@pytest.mark.slow  # compiles every entry
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_spellings_give_torchs_result_shapes(device):
   golden = recorded(device)

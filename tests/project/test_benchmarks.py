@@ -85,6 +85,7 @@ def test_quick_run_reports_every_section(quick_report):
     assert heading in quick_report
 
 
+@pytest.mark.slow  # runs every benchmark script once (minutes)
 def test_quick_run_rates_every_target(quick_report):
   targets = quick_report[quick_report.index("### targets") :]
   for model in ("lm", "conv"):
@@ -102,6 +103,7 @@ def test_quick_run_rates_every_target(quick_report):
   assert "| optimizer | - | update ms (adam vs scaler) |" in targets
 
 
+@pytest.mark.slow  # runs every benchmark script once (minutes)
 def test_haiku_section_compares_autocast_with_the_jmp_policies(quick_report):
   section = quick_report[quick_report.index("### Haiku ResNet") : quick_report.index("### loss")]
   for variant in ("float32", "jmp bfloat16", "autocast cpu", "jmp float16", "autocast cuda"):
@@ -114,6 +116,7 @@ def test_haiku_section_compares_autocast_with_the_jmp_policies(quick_report):
     assert row.endswith("| ok |"), row
 
 
+@pytest.mark.slow  # runs every benchmark script once (minutes)
 def test_gpu_section_says_why_it_was_skipped_on_cpu(quick_report):
   assert "skipped: jax.default_backend() is 'cpu', not 'gpu'." in quick_report
 

@@ -18,6 +18,7 @@ def short_run(tmp_path_factory):
   return results, printed.getvalue(), out
 
 
+@pytest.mark.slow  # trains the demo's three variants
 def test_demo_trains_three_variants_end_to_end(short_run):
   results, _, out = short_run
   assert [r["name"] for r in results] == [name for name, _, _ in demo.VARIANTS]
@@ -25,6 +26,7 @@ def test_demo_trains_three_variants_end_to_end(short_run):
   assert (out / "demo.png").exists()
 
 
+@pytest.mark.slow  # trains the demo's three variants
 def test_demo_prints_a_table_with_every_column(short_run):
   _, printed, _ = short_run
   header = next(line for line in printed.splitlines() if line.startswith("variant"))
@@ -40,11 +42,13 @@ def test_demo_prints_a_table_with_every_column(short_run):
   ]
 
 
+@pytest.mark.slow  # trains the demo's three variants
 def test_demo_low_precision_variants_save_less_for_the_backward_pass(short_run):
   float32, bfloat16, float16 = (r["saved_bytes"] for r in short_run[0])
   assert bfloat16 < float32 and float16 < float32
 
 
+@pytest.mark.slow  # trains the demo's three variants
 def test_demo_reports_the_loss_scale_only_for_the_scaled_variant(short_run):
   assert [r["scale"] == 1.0 for r in short_run[0]] == [True, True, False]
 

@@ -40,7 +40,10 @@ def python_blocks(fence: re.Pattern = FENCE) -> list:
     for match in fence.finditer(text):
       line = text.count("\n", 0, match.start(1)) + 1  # the block's first line of code
       document = str(path.relative_to(ROOT))
-      params.append(pytest.param(document, match.group(1), line, id=f"{document}:{line}"))
+      marks = () if path.name == "README.md" else pytest.mark.slow  # the fast subset: README's
+      params.append(
+        pytest.param(document, match.group(1), line, marks=marks, id=f"{document}:{line}")
+      )
   return params
 
 
@@ -97,6 +100,7 @@ def test_documented_multihost_program_runs_in_two_processes(document, code, firs
 # --- claims of the documents that running their blocks does not check ---------------------------
 
 
+@pytest.mark.slow  # eight steps of three optimizers, two ways
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_clipping_after_unscale_matches_clipping_inside_the_wrapper_to_float32_rounding(name):
   """docs/loss_scaling.md: bitwise equal at the first step, then within float32 rounding."""

@@ -51,12 +51,14 @@ def test_a_run_without_torch_ends_with_the_summary_line():
   assert "pip install torch==2.13.0" in summary
 
 
+@pytest.mark.slow  # pytest in a subprocess
 @pytest.mark.skipif(not conftest.HAS_TORCH, reason="torch is not installed here")
 def test_a_run_with_torch_has_no_summary_line():
   printed = pytest_in_a_subprocess("--collect-only", SMALL_FILE_WITH_TORCH_COMPARISONS)
   assert "without torch" not in printed
 
 
+@pytest.mark.slow  # pytest in a subprocess
 def test_the_notebooks_are_slow_tests():
   fast = pytest_in_a_subprocess(
     "--collect-only", "-m", "not slow", "tests/project/test_imports.py", "notebooks"
@@ -67,3 +69,11 @@ def test_the_notebooks_are_slow_tests():
   assert ".ipynb" not in fast and slow.count(".ipynb::") == len(
     list(ROOT.glob("notebooks/*.ipynb"))
   )
+
+
+@pytest.mark.slow  # collects the whole suite in a subprocess
+def test_every_test_module_has_tests_in_the_fast_subset():
+  fast = pytest_in_a_subprocess("--collect-only", "-m", "not slow", "tests")
+  collected = {line.split("::", 1)[0] for line in fast.splitlines() if "::" in line}
+  modules = {str(path.relative_to(ROOT)) for path in ROOT.glob("tests/**/test_*.py")}
+  assert not modules - collected, "test modules with no test outside the slow marker"

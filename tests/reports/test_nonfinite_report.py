@@ -181,6 +181,7 @@ def test_report_is_returned_from_jit_with_the_eager_values():
   assert by_path(jitted) == by_path(eager) and str(jitted) == str(eager)
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_report_is_ten_arrays_however_many_leaves():
   small, large = nonfinite_report([jnp.ones(2)]), nonfinite_report([jnp.ones(2)] * 300)
   assert len(jax.tree.leaves(small)) == len(jax.tree.leaves(large)) == 10
@@ -213,6 +214,7 @@ def test_any_nonfinite_drives_a_jnp_where_inside_jit():
   assert float(jnp.sum(guarded(jnp.array([1.0, 2.0])))) == 3.0
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_report_works_under_vmap_per_example():
   x = jnp.array([[1.0, INF, -INF], [NAN, 2.0, 3.0]])
   report = jax.vmap(nonfinite_report)({"x": x})
@@ -243,6 +245,7 @@ class Pair(NamedTuple):
   second: jax.Array
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_paths_join_dict_keys_attribute_names_and_sequence_indices():
   tree = {
     "params": {"Dense_0": {"kernel": jnp.ones(2)}},
@@ -351,6 +354,7 @@ def linen_loss(params, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_linen_float16_overflow_is_pinned_to_the_layer():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=OVERFLOW_SCALE)
   params, opt_state = linen_params(), tx.init(linen_params())
@@ -373,6 +377,7 @@ def test_train_step_metrics_have_no_report_by_default():
   assert "nonfinite_report" not in metrics
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_linen_train_step_reports_the_overflowing_layer_until_the_scale_fits():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=OVERFLOW_SCALE)
   state = TrainState.create(apply_fn=None, params=linen_params(), tx=tx)
@@ -405,6 +410,7 @@ def nnx_loss(model, batch):
   return optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1]).mean()
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_nnx_train_step_reports_the_overflowing_layer():
   model = NnxTwoInputs(nnx.Rngs(0))
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=OVERFLOW_SCALE)
@@ -415,6 +421,7 @@ def test_nnx_train_step_reports_the_overflowing_layer():
   assert metrics["nonfinite_report"].nonfinite_paths() == ("big_in/kernel",)
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_equinox_float16_overflow_is_pinned_to_the_layer():
   class Model(eqx.Module):
     small_in: eqx.nn.Linear
@@ -438,6 +445,7 @@ def test_equinox_float16_overflow_is_pinned_to_the_layer():
   assert report.nonfinite_paths() == ("big_in/weight",)
 
 
+@pytest.mark.slow  # trains or compiles a model
 def test_benchmark_script_runs_and_prints_the_ratio_and_an_example_report():
   from benchmarks import bench_nonfinite
 

@@ -149,6 +149,7 @@ MLP_PARAMS = Mlp().init(jax.random.key(4), MLP_X)
   "device_type,dtype,rounding",
   [("cpu", "bfloat16", BF16_ROUNDING), ("cuda", "float16", F16_ROUNDING)],
 )
+@pytest.mark.slow  # a flax model, evaluated twice eagerly
 def test_a_flax_model_report_is_plausible(device_type, dtype, rounding):
   model = Mlp()
   x = jax.random.normal(jax.random.key(3), (16, 8))

@@ -52,6 +52,7 @@ def assert_trees_equal(a, b):
 # Clipping: the clip inside the wrapped optimizer sees unscaled gradients.
 
 
+@pytest.mark.slow  # trains a model for several steps
 def test_recipe_clip_unscaled_gradients_inside_the_wrapped_optimizer():
   tx = jaxamp.dynamic_loss_scale(
     optax.chain(optax.clip_by_global_norm(0.2), optax.sgd(1.0)), init_scale=2.0**16
@@ -190,6 +191,7 @@ def test_recipe_several_losses_are_scaled_by_the_same_scale_and_summed():
     np.testing.assert_allclose(updates[name], -expected[name], rtol=1e-5)
 
 
+@pytest.mark.slow  # trains a model for several steps
 def test_recipe_gradient_penalty_unscales_the_inner_gradients_by_dividing_by_the_scale():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=1024.0)
   opt_state = tx.init(PARAMS)

@@ -35,8 +35,6 @@ from jax import lax
 
 import jaxamp
 
-pytestmark = pytest.mark.slow  # hypothesis: many examples, each compiles
-
 STEPS = 300
 MAX_BURST = 40
 PARAMS = {
@@ -241,7 +239,8 @@ def bitwise_equal(a, b) -> bool:
 
 
 def storm_test(fun):
-  return seed(SEED)(STORM_SETTINGS(given(storm=storms)(fun)))
+  """A property of random storms: slow (hypothesis draws many, each compiles its storm)."""
+  return pytest.mark.slow(seed(SEED)(STORM_SETTINGS(given(storm=storms)(fun))))
 
 
 # ------------------------------------------------------------------------------------------------

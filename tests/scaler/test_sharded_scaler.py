@@ -18,7 +18,32 @@ import cpu_devices
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # a subprocess on several virtual CPU devices
+TWO_SHARDS = textwrap.dedent(
+  """
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import PartitionSpec as P
+    import jaxamp
+
+    mesh = jax.make_mesh((2,), ("d",))
+    tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0, axis_name="d")
+    params = jnp.ones((4, 3))
+    grads = params.at[3, 0].set(jnp.inf)  # row 3 lives on the second shard only
+
+    def step(p, g, s):
+      updates, s = tx.update(g, s, p)
+      return optax.apply_updates(p, updates), s.found_inf, s.scale
+
+    sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("d"), P("d"), P()),
+                                    out_specs=(P("d"), P(), P())))
+    state = tx.init(params)
+    on_shards = jax.sharding.NamedSharding(mesh, P("d"))
+    params, grads = jax.device_put(params, on_shards), jax.device_put(grads, on_shards)
+    new, found_inf, scale = sharded(params, grads, state)
+    assert bool(found_inf) and float(scale) == 4.0, (found_inf, scale)
+    assert np.array_equal(new, params), new  # the finite shard skipped its step too
+    print("OK")
+  """
+)
 
 SCRIPT = textwrap.dedent(
   """
@@ -217,12 +242,19 @@ UPDATE_EVERY_STEP = ("sgd", "adam", "clip_adamw", "adam_unscale")
 MULTI_STEPS_SKIPPED = 3
 
 
+def test_an_inf_in_one_of_two_shards_skips_both_shards_step():
+  out = cpu_devices.run_script(TWO_SHARDS, devices=2)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.slow  # 8 devices, every case
 def test_runs_on_eight_devices_with_the_weight_sharded(result):
   assert result["devices"] == 8
   for name in ALL:
     assert all(entry["w_is_sharded"] for entry in case(result, name)), name
 
 
+@pytest.mark.slow  # 8 devices, every case
 @pytest.mark.parametrize("name", ("sgd", "adam", "adam_unscale", "multi_steps"))
 def test_sharded_steps_give_the_unsharded_params_and_state_bit_for_bit(result, name):
   log = case(result, name)
@@ -231,6 +263,7 @@ def test_sharded_steps_give_the_unsharded_params_and_state_bit_for_bit(result, n
   assert all(e["state_bitwise_unsharded"] for e in log), diffs
 
 
+@pytest.mark.slow  # 8 devices, every case
 def test_clip_by_global_norm_chain_runs_sharded_with_a_per_shard_norm(result):
   # optax's clip_by_global_norm under shard_map clips by this shard's norm, not the global one:
   # only the scaler's part (no crash, one skip decision, the scale) is compared here.
@@ -240,6 +273,7 @@ def test_clip_by_global_norm_chain_runs_sharded_with_a_per_shard_norm(result):
   assert not any(e["params_unchanged"] for i, e in enumerate(log) if i != OVERFLOW_STEP)
 
 
+@pytest.mark.slow  # 8 devices, every case
 @pytest.mark.parametrize("name", UPDATE_EVERY_STEP)
 def test_overflow_on_one_shard_skips_every_shards_step_bit_for_bit(result, name):
   entry = case(result, name)[OVERFLOW_STEP]
@@ -249,6 +283,7 @@ def test_overflow_on_one_shard_skips_every_shards_step_bit_for_bit(result, name)
   assert entry["skipped_steps"] == [1] * 8 and entry["growth_tracker"] == [0] * 8
 
 
+@pytest.mark.slow  # 8 devices, every case
 def test_overflow_in_one_shards_micro_batch_skips_the_accumulated_step_everywhere(result):
   log = case(result, "multi_steps")
   assert [e["found_inf"][0] for e in log] == [False, False, False, True, True, False]
@@ -258,6 +293,7 @@ def test_overflow_in_one_shards_micro_batch_skips_the_accumulated_step_everywher
   assert not log[MULTI_STEPS_SKIPPED + 2]["params_unchanged"]  # the next emitted step steps
 
 
+@pytest.mark.slow  # 8 devices, every case
 @pytest.mark.parametrize("name", UPDATE_EVERY_STEP)
 def test_overflow_on_one_shard_backs_the_scale_off_identically_on_every_device(result, name):
   log = case(result, name)
@@ -266,6 +302,7 @@ def test_overflow_on_one_shard_backs_the_scale_off_identically_on_every_device(r
   assert after[0] == log[OVERFLOW_STEP]["unsharded"][0]
 
 
+@pytest.mark.slow  # 8 devices, every case
 @pytest.mark.parametrize("name", UPDATE_EVERY_STEP)
 def test_the_scale_grows_after_growth_interval_finite_steps_on_every_device(result, name):
   log = case(result, name)
@@ -276,6 +313,7 @@ def test_the_scale_grows_after_growth_interval_finite_steps_on_every_device(resu
   assert [e["scale"][0] for e in log] == [e["unsharded"][0] for e in log]
 
 
+@pytest.mark.slow  # 8 devices, every case
 def test_multi_steps_scale_follows_the_emitted_steps_like_the_unsharded_run(result):
   log = case(result, "multi_steps")
   assert [e["scale"] for e in log] == [
@@ -284,11 +322,13 @@ def test_multi_steps_scale_follows_the_emitted_steps_like_the_unsharded_run(resu
   assert [e["scale"][0] for e in log] == [e["unsharded"][0] for e in log]
 
 
+@pytest.mark.slow  # 8 devices, every case
 @pytest.mark.parametrize("name", ALL)
 def test_every_device_holds_the_same_replicated_values(result, name):
   assert all(entry["replicas_agree"] for entry in case(result, name))
 
 
+@pytest.mark.slow  # 8 devices, every case
 def test_fsdp_training_step_with_all_gather_matches_the_unsharded_run(result):
   log = case(result, "fsdp")
   assert [e["scale"] for e in log] == [[s] * 8 for s in (2.0**10, 2.0**11, 2.0**10, 2.0**10)]
@@ -298,6 +338,7 @@ def test_fsdp_training_step_with_all_gather_matches_the_unsharded_run(result):
     assert e["params_max_diff"] <= 1e-5 * max(1.0, e["params_scale"]), e
 
 
+@pytest.mark.slow  # 8 devices, every case
 def test_an_inner_state_leaf_that_becomes_sharded_is_kept_on_a_skipped_step(result):
   out = case(result, "statistic_state")
   np.testing.assert_allclose(out["finite"], out["expected"], rtol=1e-6)
