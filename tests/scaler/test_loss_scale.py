@@ -500,3 +500,40 @@ def test_update_cost_does_not_grow_per_leaf():
   # The finite check is one reduction per (size, dtype) group of leaves, not one per leaf, and the
   # inner update is traced once (not again by jax.eval_shape for the skipped branch's shapes).
   assert _reductions(4) == _reductions(64) == (2, 1)
+
+
+def _compiled_entry(fun, *args):
+  """The entry computation of ``jit(fun)``'s compiled HLO text (the called ones left out)."""
+  text = jax.jit(fun).lower(*args).compile().as_text()
+  entry = text[text.index("\nENTRY") :]
+  return entry[: entry.index("\n}\n")]
+
+
+def test_finite_steps_do_not_copy_the_weight_moments():
+  # The skipped branch of the cond returns the old inner state; returned as it came in, XLA copied
+  # every moment before the cond on every step (one more read and write of the state).
+  import flax.linen as nn
+
+  model = nn.Sequential([nn.Dense(256), nn.relu, nn.Dense(256), nn.relu, nn.Dense(4)])
+  params = model.init(jax.random.key(0), jnp.ones((2, 64)))["params"]
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  entry = _compiled_entry(step, params, tx.init(params), params)
+  assert "f32[64,256]{1,0} copy(" not in entry and "f32[256,256]{1,0} copy(" not in entry
+
+
+def _inverse_kernels(leaves: int) -> int:
+  """How many times ``unscale``'s compiled HLO decomposes the scale (``count-leading-zeros``)."""
+  params = {f"w{i}": jnp.ones((4, 3) if i % 2 else (5,)) for i in range(leaves)}
+  state = jaxamp.dynamic_loss_scale(optax.adam(1e-3)).init(params)
+  text = jax.jit(jaxamp.unscale).lower(params, state).compile().as_text()
+  return text.count("count-leading-zeros(")
+
+
+def test_unscale_compiles_the_exact_inverse_once_whatever_the_leaf_count():
+  # XLA fused the ~100 scalar ops of torch's float64 inverse into every leaf's kernel.
+  assert _inverse_kernels(4) == _inverse_kernels(32)

@@ -176,7 +176,26 @@ def _tree_found_inf(tree: Any) -> jax.Array:
 
 def _tree_unscale(tree: Any, scale: jax.Array) -> Any:
   """``g * float32(1 / float64(scale))`` in (at least) float32, cast back to each leaf's dtype."""
-  return _tree_unscale_by(tree, exact_f64.unscale_factors(scale)[:2])
+  return _tree_unscale_by(tree, _unscale_factors(scale))
+
+
+def _unscale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``exact_f64.unscale_factors``' ``(a, b)``, computed once however many leaves use them."""
+  a, b, _ = exact_f64.unscale_factors(scale)
+  return _computed_once(a), _computed_once(b)
+
+
+def _computed_once(x: jax.Array) -> jax.Array:
+  """The float32 ``x`` unchanged, behind an integer division: a boundary XLA does not fuse across.
+
+  XLA fuses cheap scalar producers into every consumer, so the ~100 integer ops of the unscale
+  factors were compiled into each leaf's kernel. It never duplicates an integer division by a
+  non-constant, so they run once, in the division's kernel. ``(bits >> 31) | 1`` is 1 for every
+  float32, which XLA does not know. (``optimization_barrier`` does not do this: XLA:CPU removes
+  it before fusion.)
+  """
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  return lax.bitcast_convert_type(bits // ((bits >> 31) | jnp.uint32(1)), jnp.float32)
 
 
 def _tree_unscale_by(tree: Any, factors: tuple[jax.Array, jax.Array]) -> Any:
@@ -244,12 +263,42 @@ def _vary_like(x: Any, like: Any) -> Any:
   return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
 
 
+_UNSIGNED = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+# Leaves smaller than this are left to XLA's copy before the cond: a kernel for each in the
+# skipped branch cost more compile time (a 50-leaf adam step: 1.26x of apply_if_finite's instead
+# of 1.19x) than their copies cost to run.
+_FRESH_FROM_SIZE = 4096
+
+
+def _fresh(x: Any) -> Any:
+  """``x`` bit for bit, computed (``bits // 1``, a 1 XLA cannot see), so not an alias of ``x``.
+
+  A ``lax.cond`` branch that returns its operand unchanged makes XLA copy the operand before the
+  cond, on every step: the skipped branch's old inner state was copied (a read and a write of
+  every moment) on finite steps too. Computed in the branch, the copy happens only when it runs.
+  Small leaves (biases, norms, counts) are left as they are: their copies cost little to run.
+  """
+  dtype = jnp.result_type(x)
+  if jnp.issubdtype(dtype, jnp.floating):
+    width = jnp.finfo(dtype).bits
+  elif jnp.issubdtype(dtype, jnp.integer):
+    width = jnp.iinfo(dtype).bits
+  else:  # bool, complex: copied before the cond, as before
+    return x
+  if width not in _UNSIGNED or jnp.size(x) < _FRESH_FROM_SIZE:  # sub-byte types, small leaves
+    return x
+  bits = lax.bitcast_convert_type(x, _UNSIGNED[width])
+  one = (bits >> (width - 1)) | _UNSIGNED[width](1)  # 1 for every value
+  return lax.bitcast_convert_type(bits // one, dtype)
+
+
 def _skip_if(found_inf: jax.Array, do_update: Any, old_state: Any) -> tuple[Any, Any]:
   """``do_update(None)``, or where ``found_inf`` -0.0 updates and ``old_state``: one ``lax.cond``.
 
   The skipped branch needs the shapes of the taken one's outputs. ``lax.cond`` traces its true
   branch first, so the taken branch records them as it is traced, and the inner update is traced
-  once (``jax.eval_shape`` traced it a second time); the fallback covers other orders.
+  once (``jax.eval_shape`` traced it a second time); the fallback covers other orders. The
+  skipped branch returns a computed copy of the old state (``_fresh``), not the old state itself.
   Under ``shard_map`` the branches must agree on the axes each output varies over: a skipped
   step's -0.0 updates vary like the taken step's updates, and each inner state leaf varies
   over the axes of its old and its new value in both branches (sharded gradients make the new
@@ -267,7 +316,7 @@ def _skip_if(found_inf: jax.Array, do_update: Any, old_state: Any) -> tuple[Any,
 
   def skip_update(_: None) -> tuple[Any, Any]:
     out_updates, out_state = traced[0] if traced else jax.eval_shape(do_update, None)
-    inner_state = old_state
+    inner_state = jax.tree.map(_fresh, old_state)
     if jax.tree.structure(out_state) == jax.tree.structure(old_state):
       inner_state = jax.tree.map(_vary_like, inner_state, out_state)
     return jax.tree.map(_no_op_update, out_updates), inner_state
@@ -399,7 +448,7 @@ def dynamic_loss_scale(
 
     # The factors (~100 scalar integer ops) are computed before the cond: inside its branch
     # XLA fuses them into every leaf's update, which tripled the compile time at 516 leaves.
-    factors = exact_f64.unscale_factors(state.scale)[:2] if unscale_first else None
+    factors = _unscale_factors(state.scale) if unscale_first else None
 
     def do_update(_: None) -> tuple[optax.Updates, optax.OptState]:
       # Unscaling inside the taken branch lets XLA fuse it into the inner update instead of
@@ -407,7 +456,10 @@ def dynamic_loss_scale(
       grads = _tree_unscale_by(updates, factors) if unscale_first else updates
       return inner.update(grads, state.inner_state, params, **extra_args)
 
-    # A cond, not a select per leaf: selects on the flag compiled 2-3x slower at 500 leaves.
+    # A cond, not a select per leaf. Selects let XLA fuse the step into apply_updates (12 passes
+    # over the parameters' bytes against the cond's 13, adam's 10), but XLA:CPU then recomputes
+    # the moments inside the parameter kernel and its vector and scalar loops round them apart:
+    # sharded and unsharded steps differed by an ulp. They also compiled 2-4x slower at 500 leaves.
     new_updates, inner_state = _skip_if(found_inf, do_update, state.inner_state)
     scale, growth_tracker = _next_scale(
       state.scale, state.growth_tracker, found_inf, state.hyperparams
