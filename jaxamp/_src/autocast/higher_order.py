@@ -229,9 +229,9 @@ def _remat_rule(eqn, invals, env, ctx):
 
 
 def _scan_rule(eqn, invals, env, ctx):
-  p = eqn.params
-  n_consts, n_carry = p["num_consts"], p["num_carry"]
-  closed = p["jaxpr"]
+  params = eqn.params
+  n_consts, n_carry = params["num_consts"], params["num_carry"]
+  closed = params["jaxpr"]
   carry_atoms = eqn.invars[n_consts : n_consts + n_carry]
   invals = [
     *invals[:n_consts],
@@ -254,17 +254,17 @@ def _scan_rule(eqn, invals, env, ctx):
     computed=tuple(computed),
   )
   extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
-  params = dict(p, jaxpr=new, num_consts=n_consts + len(extras))
-  return compat.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], params)
+  new_params = dict(params, jaxpr=new, num_consts=n_consts + len(extras))
+  return compat.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], new_params)
 
 
 def _while_rule(eqn, invals, env, ctx):
-  p = eqn.params
-  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  params = eqn.params
+  n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
   cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
   carry_atoms = eqn.invars[n_cond + n_body :]
   carry = restore_carries(env, carry_atoms, invals[n_cond + n_body :])
-  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  cond, body = params["cond_jaxpr"], params["body_jaxpr"]
   new_cond, _ = rewrite(
     cond.jaxpr,
     cond.consts,
@@ -285,8 +285,10 @@ def _while_rule(eqn, invals, env, ctx):
     computed=computed,
   )
   extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
-  params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body, body_nconsts=n_body + len(extras))
-  return compat.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], params)
+  new_params = dict(
+    params, cond_jaxpr=new_cond, body_jaxpr=new_body, body_nconsts=n_body + len(extras)
+  )
+  return compat.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], new_params)
 
 
 def _cond_rule(eqn, invals, env, ctx):
@@ -311,16 +313,16 @@ def _cond_rule(eqn, invals, env, ctx):
 
 def _shard_map_rule(eqn, invals, env, ctx):
   """Re-binds through ``jax.shard_map``, which traces the body in the mesh's axis context."""
-  p = eqn.params
-  body = p["jaxpr"]
+  params = eqn.params
+  body = params["jaxpr"]
   path = sub_path(env.path, eqn)
   mapped = jax.shard_map(
     lambda *args: tuple(evaluate(body, (), args, ctx, path=path)),
-    mesh=p["mesh"],
-    in_specs=p["in_specs"],
-    out_specs=p["out_specs"],
-    axis_names=compat.shard_map_axis_names(p),
-    check_vma=p["check_vma"],
+    mesh=params["mesh"],
+    in_specs=params["in_specs"],
+    out_specs=params["out_specs"],
+    axis_names=compat.shard_map_axis_names(params),
+    check_vma=params["check_vma"],
   )
   return list(mapped(*invals))
 
@@ -398,7 +400,9 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
   def autocast_fun_jvp(primals, tangents):
     primals, tangents = list(primals[num_consts:]), list(tangents[num_consts:])
     if not sees_zeros:
-      tangents = [_instantiate_tangent(p, t) for p, t in zip(primals, tangents, strict=True)]
+      tangents = [
+        _instantiate_tangent(primal, t) for primal, t in zip(primals, tangents, strict=True)
+      ]
     zeros = [compat.is_symbolic_zero(t) for t in tangents]
     jaxpr, consts, out_zeros = rule(zeros)
     nonzero = [t for t, zero in zip(tangents, zeros, strict=True) if not zero]

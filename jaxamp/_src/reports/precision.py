@@ -453,11 +453,11 @@ def _call(run, eqn, invals, evaluate, param: str) -> list:
 
 
 def _scan(run, eqn, invals, evaluate) -> list | None:
-  p = eqn.params
-  n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+  params = eqn.params
+  n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
   if length == 0:
     return None
-  body = p["jaxpr"]
+  body = params["jaxpr"]
   consts = invals[:n_consts]
   carry = invals[n_consts : n_consts + n_carry]
   xs = invals[n_consts + n_carry :]
@@ -465,7 +465,7 @@ def _scan(run, eqn, invals, evaluate) -> list | None:
     len(body.jaxpr.outvars) - n_carry
   )
   ys: list = [None] * length
-  for step in reversed(range(length)) if p["reverse"] else range(length):
+  for step in reversed(range(length)) if params["reverse"] else range(length):
     run.loops.append(step)
     try:
       outs = evaluate(
@@ -484,9 +484,9 @@ def _scan(run, eqn, invals, evaluate) -> list | None:
 
 
 def _while(run, eqn, invals, evaluate) -> list:
-  p = eqn.params
-  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
-  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  params = eqn.params
+  n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+  cond, body = params["cond_jaxpr"], params["body_jaxpr"]
   cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
   carry = invals[n_cond + n_body :]
   n = len(invals)
