@@ -634,7 +634,9 @@ def _params(device: str) -> list:
 
 
 CUDA_PARAMS = _params("cuda")
-CUDA_VALUE_PARAMS = [p for p in CUDA_PARAMS if cuda_category_dtype(p.values[0]) != "raises"]
+CUDA_VALUE_PARAMS = [
+  param for param in CUDA_PARAMS if cuda_category_dtype(param.values[0]) != "raises"
+]
 CPU_PARAMS = _params("cpu")
 
 

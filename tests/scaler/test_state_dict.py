@@ -82,7 +82,7 @@ def test_load_state_dict_restores_scale_tracker_and_hyperparameters():
   step = jax.jit(lambda g, s: tx.update(g, s, PARAMS))
   _, grown = step(jax.tree.map(jnp.ones_like, PARAMS), state)  # tracker 1 -> 2: grow by 1.1
   assert grown.scale == np.float32(np.float64(np.float32(100.0)) * 1.1)
-  _, backed_off = step(jax.tree.map(lambda p: p * jnp.nan, PARAMS), state)
+  _, backed_off = step(jax.tree.map(lambda param: param * jnp.nan, PARAMS), state)
   assert backed_off.scale == np.float32(100.0 * 0.3)
 
 
@@ -109,7 +109,7 @@ def test_load_state_dict_keeps_enabled_and_axis_name():
 def test_load_state_dict_accepts_a_zero_scale_reached_by_backing_off():
   tx = scaler(optax.sgd(0.1), init_scale=1e-45)
   state = tx.init(PARAMS)
-  _, state = jax.jit(tx.update)(jax.tree.map(lambda p: p * jnp.nan, PARAMS), state, PARAMS)
+  _, state = jax.jit(tx.update)(jax.tree.map(lambda param: param * jnp.nan, PARAMS), state, PARAMS)
   assert state.scale == 0.0
   loaded = jaxamp.scaler.load_state_dict(state, jaxamp.scaler.state_dict(state))
   assert jaxamp.scaler.state_dict(loaded)["scale"] == 0
