@@ -110,7 +110,7 @@ def residual_bytes(fun: Callable, params: Any, batch: Any) -> int:
   themselves are not counted.
   """
   batch = jax.tree.map(jnp.asarray, batch)  # device arrays: the residuals may be these objects
-  _, backward = jax.vjp(lambda p: fun(p, batch), params)
+  _, backward = jax.vjp(lambda params: fun(params, batch), params)
   arguments = {id(leaf) for leaf in jax.tree.leaves((params, batch))}
   return sum(
     leaf.size * leaf.dtype.itemsize
@@ -174,7 +174,7 @@ def train(
     scales.append(float(metrics["scale"]))
     if bool(metrics["found_inf"]):
       skipped_at.append(i)
-  forward = jax.jit(jaxamp.autocast(lambda p, x: MODEL.apply({"params": p}, x), **kwargs))
+  forward = jax.jit(jaxamp.autocast(lambda params, x: MODEL.apply({"params": params}, x), **kwargs))
   accuracy = float((jnp.argmax(forward(state.params, x_test), -1) == y_test).mean())
   return {
     "name": name,

@@ -92,7 +92,7 @@ def wait_processes(
     reader.start()
   deadline, killed = time.monotonic() + timeout, {}
   while any(reader.is_alive() for reader in readers):
-    if any(p.poll() not in (None, 0) for p in procs):
+    if any(process.poll() not in (None, 0) for process in procs):
       deadline = min(deadline, time.monotonic() + grace)
       why = "KILLED: another process failed"
     else:

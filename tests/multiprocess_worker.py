@@ -147,8 +147,8 @@ def scaler_log(opt_state, loss):
 def scaled_update(loss_of, tx, params, opt_state):
   """One optimizer step on the gradients of the scaled ``loss_of(params)``."""
 
-  def scaled_loss(p):
-    loss = loss_of(p)
+  def scaled_loss(params):
+    loss = loss_of(params)
     return jaxamp.scale_loss(loss, opt_state), loss
 
   grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
@@ -158,7 +158,7 @@ def scaled_update(loss_of, tx, params, opt_state):
 
 def make_step(tx, world, fsdp: bool, params, opt_state):
   def step(params, opt_state, x, y):
-    return scaled_update(lambda p: loss_fn(p, x, y), tx, params, opt_state)
+    return scaled_update(lambda params: loss_fn(params, x, y), tx, params, opt_state)
 
   param_sh, state_sh = world.shardings(params, fsdp), world.shardings(opt_state, fsdp)
   return jax.jit(
@@ -173,9 +173,9 @@ def make_shard_map_step(tx, world, params, opt_state):
   gathered = jax.tree.map(lambda x: world.fsdp_spec(x) == P("d"), params)
 
   def step(params, opt_state, x, y):  # this device's shards of params, state and batch
-    def global_loss(p):
+    def global_loss(params):
       full = jax.tree.map(
-        lambda q, g: jax.lax.all_gather(q, "d", tiled=True) if g else q, p, gathered
+        lambda q, g: jax.lax.all_gather(q, "d", tiled=True) if g else q, params, gathered
       )
       return jax.lax.pmean(loss_fn(full, x, y), "d")
 
@@ -335,7 +335,7 @@ def run_axis_name(world):
   try:
     jax.jit(
       jax.shard_map(
-        lambda p, s, g: tx.update(g, s, p)[1],
+        lambda params, s, g: tx.update(g, s, params)[1],
         mesh=world.mesh,
         in_specs=(P("d"), specs, P("d")),
         out_specs=specs,

@@ -100,9 +100,9 @@ class Program:
     rng = np.random.default_rng(self.seed)
     params = {}
     for node in self.nodes():
-      p = _init_node(node.kind, rng)
-      if p:
-        params[f"n{node.index}"] = p
+      node_params = _init_node(node.kind, rng)
+      if node_params:
+        params[f"n{node.index}"] = node_params
     return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
 
   def inputs(self):
@@ -155,18 +155,18 @@ def _row_max(h, smooth):
   return lax.stop_gradient(m) if smooth else m
 
 
-def _leaf(kind, p, h, smooth):
+def _leaf(kind, node_params, h, smooth):
   if kind == "dense":
-    return h @ p["w"] + p["b"]
+    return h @ node_params["w"] + node_params["b"]
   if kind == "conv":
     out = lax.conv_general_dilated(
-      h[:, :, None], p["k"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+      h[:, :, None], node_params["k"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
     )
-    return (out + p["b"])[:, :, 0]
+    return (out + node_params["b"])[:, :, 0]
   if kind == "add":
-    return h + p["p"]
+    return h + node_params["p"]
   if kind == "mul":
-    return h * p["p"]
+    return h * node_params["p"]
   if kind == "tanh":
     return jnp.tanh(h)
   if kind == "exp_abs":
@@ -192,11 +192,11 @@ def _leaf(kind, p, h, smooth):
   if kind == "standardize":
     return jax.nn.standardize(h, axis=-1, epsilon=LN_EPSILON)
   if kind == "layer_norm_flax":
-    return nn.LayerNorm(epsilon=LN_EPSILON).apply({"params": p}, h)
+    return nn.LayerNorm(epsilon=LN_EPSILON).apply({"params": node_params}, h)
   if kind == "layer_norm_hand":
     mean = jnp.mean(h, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
-    return (h - mean) * lax.rsqrt(var + LN_EPSILON) * p["scale"] + p["bias"]
+    return (h - mean) * lax.rsqrt(var + LN_EPSILON) * node_params["scale"] + node_params["bias"]
   raise ValueError(kind)
 
 
@@ -208,9 +208,9 @@ def _run(layers, params, h, flag, smooth):
 
 def _apply_node(node: Node, params, h, flag, smooth):
   kind = node.kind
-  p = params.get(f"n{node.index}", {})
+  node_params = params.get(f"n{node.index}", {})
   if not node.bodies:
-    return _leaf(kind, p, h, smooth)
+    return _leaf(kind, node_params, h, smooth)
   run = functools.partial(_run, smooth=smooth)
   body = node.bodies[0]
   if kind == "scan":
@@ -219,7 +219,7 @@ def _apply_node(node: Node, params, h, flag, smooth):
       out = run(body, params, carry, flag) + x_t
       return out, jnp.tanh(out)
 
-    carry, ys = lax.scan(step, h, p["xs"])
+    carry, ys = lax.scan(step, h, node_params["xs"])
     return 0.5 * (carry + jnp.mean(ys, axis=0))
   if kind == "cond":
     return lax.cond(

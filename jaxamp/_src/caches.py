@@ -1,11 +1,12 @@
 """jaxamp's caches: bounded LRU maps whose keys hold the user's objects weakly.
 
 A trace of ``f`` holds the arrays ``f`` closes over, so a cache keyed strongly on ``f`` keeps
-them alive after the user has dropped ``f`` (an eager loop over ``autocast(lambda p: loss(batch,
-p))`` would keep every batch). Here keys are built with ``key_part``: functions, bound methods'
-instances and other weakly referenceable objects enter a key through a weak reference, and an
-entry is dropped as soon as one of them dies, like ``jax``'s ``weakref_lru_cache``. This holds
-as long as a cached value does not itself reference its key's objects.
+them alive after the user has dropped ``f`` (an eager loop over
+``autocast(lambda params: loss(batch, params))`` would keep every batch). Here keys are built
+with ``key_part``: functions, bound methods' instances and other weakly referenceable objects
+enter a key through a weak reference, and an entry is dropped as soon as one of them dies, like
+``jax``'s ``weakref_lru_cache``. This holds as long as a cached value does not itself reference
+its key's objects.
 
 Every cache of jaxamp registers here where it is defined (``register``, or made by
 ``weak_lru_cache`` / ``lru_cache`` / ``weak_key_dict``), so ``clear_caches`` empties them all

@@ -368,7 +368,7 @@ def test_custom_jvp_rule_survives():
   def f(x):
     return jnp.sin(x)
 
-  f.defjvp(lambda p, t: (f(p[0]), 7.0 * t[0]))
+  f.defjvp(lambda primals, t: (f(primals[0]), 7.0 * t[0]))
   auto = jaxamp.autocast(lambda x, w: f(x @ w).astype(jnp.float32).sum(), device_type="cuda")
   g = jax.grad(auto, argnums=1)(X, W)
   np.testing.assert_allclose(g, X.T @ jnp.full((4, 8), 7.0), rtol=1e-2)
@@ -419,8 +419,8 @@ def test_custom_bwd_runs_the_backward_under_the_forward_policy(decorate, low_dot
 
 def test_registered_op_uses_its_category():
   @jaxamp.register_op("my_loss", category="float32")
-  def my_loss(p, t):
-    return jnp.mean((p - t) ** 2)
+  def my_loss(prediction, target):
+    return jnp.mean((prediction - target) ** 2)
 
   fun = jaxamp.autocast(lambda x, w: my_loss(x @ w, x), device_type="cpu")
   assert fun(X, W).dtype == jnp.float32

@@ -16,7 +16,9 @@ from jax import lax
 import jaxamp
 
 POLICIES = [("cuda", jnp.float16), ("cpu", jnp.bfloat16), ("xpu", jnp.float16)]
-policies = pytest.mark.parametrize("device_type,low", POLICIES, ids=[p for p, _ in POLICIES])
+policies = pytest.mark.parametrize(
+  "device_type,low", POLICIES, ids=[device_type for device_type, _ in POLICIES]
+)
 
 W = jax.random.normal(jax.random.key(0), (6, 8)) * 0.3
 B = jax.random.normal(jax.random.key(1), (6,))
@@ -73,7 +75,7 @@ def test_bias_add_inside_a_scan_over_layers_stays_low(device_type, low):
     return jnp.tanh(out), out
 
   stacked = (jnp.stack([jnp.eye(8)] * 3), jnp.zeros((3, 8)))
-  fun = jaxamp.autocast(lambda x, p: lax.scan(layer, x, p)[1], device_type=device_type)
+  fun = jaxamp.autocast(lambda x, params: lax.scan(layer, x, params)[1], device_type=device_type)
   assert fun(XS, stacked).dtype == low
 
 
@@ -93,8 +95,8 @@ def test_residual_add_of_an_input_the_block_also_reads_promotes(device_type, low
 
 @policies
 def test_a_second_parameter_added_after_a_dense_layer_promotes(device_type, low):
-  # torch: F.linear(x, W, b) + p promotes; only the dot's own bias add joins it.
-  fun = jaxamp.autocast(lambda x, w, b, p: x @ w.T + b + p, device_type=device_type)
+  # torch: F.linear(x, W, b) + position promotes; only the dot's own bias add joins it.
+  fun = jaxamp.autocast(lambda x, w, b, position: x @ w.T + b + position, device_type=device_type)
   assert fun(XS, W, B, B).dtype == jnp.float32
 
 

@@ -35,17 +35,19 @@ def _batch(i: int) -> jax.Array:
 
 
 def _closure_step(batch):
-  return jaxamp.autocast(lambda p: jnp.sum(batch @ p), device_type="cpu")(W)
+  return jaxamp.autocast(lambda params: jnp.sum(batch @ params), device_type="cpu")(W)
 
 
 def _jit_closure_step(batch):
   """The closed-over batch lands in a jit body: the rewrite cache sees it too."""
-  return jaxamp.autocast(lambda p: jnp.sum(jax.jit(lambda q: batch @ q)(p)), device_type="cpu")(W)
+  return jaxamp.autocast(
+    lambda params: jnp.sum(jax.jit(lambda q: batch @ q)(params)), device_type="cpu"
+  )(W)
 
 
 def _scan_closure_step(batch):
-  def f(p):
-    carry, _ = lax.scan(lambda c, row: (c + jnp.sum(row @ p @ batch.T), None), 0.0, batch)
+  def f(params):
+    carry, _ = lax.scan(lambda c, row: (c + jnp.sum(row @ params @ batch.T), None), 0.0, batch)
     return carry
 
   return jaxamp.autocast(f, device_type="cpu")(W)

@@ -198,7 +198,7 @@ def test_custom_jvp_nondiff_argnums_keeps_its_rule():
   def scale(k, x):
     return k * x
 
-  scale.defjvp(lambda k, p, t: (k * p[0], 2 * k * t[0]))
+  scale.defjvp(lambda k, primals, t: (k * primals[0], 2 * k * t[0]))
   loss = lambda w: scale(3.0, X @ w).sum()
   assert_close(jax.grad(cuda(loss))(W), jax.grad(loss)(W))
 
@@ -211,7 +211,7 @@ def test_custom_jvp_whose_rule_calls_it_on_tangents():
   def ident(x):
     return x
 
-  ident.defjvp(lambda p, t: (ident(p[0]), 2 * ident(t[0])))
+  ident.defjvp(lambda primals, t: (ident(primals[0]), 2 * ident(t[0])))
   loss = lambda w: jnp.sum(ident(X @ w) ** 2)
   assert_close(jax.grad(cuda(loss))(W), jax.grad(loss)(W))
 

@@ -58,8 +58,8 @@ SCRIPT = textwrap.dedent(
     net_params = net.init(jax.random.key(0), images[:1])
 
     def reduced_dtypes(policy):
-      def loss(p, x, y):
-        logits = jaxamp.autocast(net.apply, device_type=policy)(p, x)
+      def loss(params, x, y):
+        logits = jaxamp.autocast(net.apply, device_type=policy)(params, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       step = jax.jit(jax.grad(loss), in_shardings=(replicated, data, data),
                      out_shardings=replicated)
@@ -75,8 +75,8 @@ SCRIPT = textwrap.dedent(
     SCALE = 2.0 ** 16
 
     def scaled_loss(apply):
-      def loss(p, x):
-        return jnp.mean(jnp.sum(apply(p, x).astype(jnp.float32), -1)) * SCALE
+      def loss(params, x):
+        return jnp.mean(jnp.sum(apply(params, x).astype(jnp.float32), -1)) * SCALE
       return loss
 
     def overflow_step():
@@ -283,8 +283,10 @@ def test_forward_mode_works_and_agrees_with_the_old_tangents():
 @pytest.mark.slow  # compiles many transforms
 def test_vmap_inside_and_outside_grad():
   loss = loss_of("cuda")
-  per_example = jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), in_axes=(None, 0))(PARAMS, X)
-  vmapped = lambda p: jnp.mean(jax.vmap(lambda x: loss(p, x[None]))(X))
+  per_example = jax.vmap(jax.grad(lambda params, x: loss(params, x[None])), in_axes=(None, 0))(
+    PARAMS, X
+  )
+  vmapped = lambda params: jnp.mean(jax.vmap(lambda x: loss(params, x[None]))(X))
   of_vmapped = jax.grad(vmapped)(PARAMS)
   mean = jax.tree.map(lambda g: g.mean(0), per_example)
   for ours, theirs in zip(jax.tree.leaves(of_vmapped), jax.tree.leaves(mean), strict=True):
@@ -303,9 +305,9 @@ def test_hessian_vector_products_and_grad_of_grad():
   loss = loss_of("cuda")
   tangent = jax.tree.map(jnp.ones_like, PARAMS)
   forward_over_reverse = jax.jvp(jax.grad(loss), (PARAMS,), (tangent,))[1]
-  reverse_over_reverse = jax.grad(lambda p: jnp.vdot(_flat(jax.grad(loss)(p)), _flat(tangent)))(
-    PARAMS
-  )
+  reverse_over_reverse = jax.grad(
+    lambda params: jnp.vdot(_flat(jax.grad(loss)(params)), _flat(tangent))
+  )(PARAMS)
   for a, b in zip(
     jax.tree.leaves(forward_over_reverse), jax.tree.leaves(reverse_over_reverse), strict=True
   ):
@@ -358,8 +360,8 @@ def test_remat_inside_autocast_gives_the_same_gradients(name):
 def _saved_residuals(loss, params, x) -> list:
   """(shape..., dtype) of the values ``jax.vjp`` keeps that are not its inputs, sorted."""
 
-  def residuals(p):
-    return jax.tree.leaves(jax.vjp(lambda p: loss(p, x), p)[1])
+  def residuals(params):
+    return jax.tree.leaves(jax.vjp(lambda params: loss(params, x), params)[1])
 
   jaxpr = jax.make_jaxpr(residuals)(params).jaxpr
   inputs = {*jaxpr.invars, *jaxpr.constvars}

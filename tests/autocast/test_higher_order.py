@@ -33,7 +33,7 @@ def block(x, w):
 
 def _custom_jvp_block():
   f = jax.custom_jvp(block)
-  f.defjvp(lambda p, t: (block(*p), jnp.zeros_like(p[0])))
+  f.defjvp(lambda primals, t: (block(*primals), jnp.zeros_like(primals[0])))
   return f
 
 

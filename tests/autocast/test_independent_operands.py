@@ -17,7 +17,9 @@ import jaxamp
 X = jax.random.normal(jax.random.key(0), (4, 8))
 W = jax.random.normal(jax.random.key(1), (8, 8))
 POLICIES = [("cuda", jnp.float16), ("cpu", jnp.bfloat16)]
-policies = pytest.mark.parametrize("device_type,low", POLICIES, ids=[p for p, _ in POLICIES])
+policies = pytest.mark.parametrize(
+  "device_type,low", POLICIES, ids=[device_type for device_type, _ in POLICIES]
+)
 
 
 @policies

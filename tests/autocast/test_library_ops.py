@@ -59,9 +59,9 @@ def haiku(layer, *args, with_state=False):
   if with_state:
     model = hk.transform_with_state(layer)
     params, state = model.init(KEY, *args)
-    return lambda p, s, *a: model.apply(p, s, None, *a)[0], (params, state, *args)
+    return lambda params, s, *a: model.apply(params, s, None, *a)[0], (params, state, *args)
   model = hk.transform(layer)
-  return lambda p, *a: model.apply(p, None, *a), (model.init(KEY, *args), *args)
+  return lambda params, *a: model.apply(params, None, *a), (model.init(KEY, *args), *args)
 
 
 def eqx_batch_norm(x):

@@ -313,7 +313,9 @@ def forward_runs(program: strategies.Program) -> dict:
   x, _, flag = program.inputs()
   funs = {"float32": program.apply}
   funs.update({d: jaxamp.autocast(program.apply, device_type=d) for d in DEVICES})
-  return compiled(lambda p, x, f: {k: g(p, x, f) for k, g in funs.items()}, params, x, flag)
+  return compiled(
+    lambda params, x, f: {k: g(params, x, f) for k, g in funs.items()}, params, x, flag
+  )
 
 
 @functools.cache
@@ -438,10 +440,10 @@ def test_bias_add_after_a_dot_or_conv_stays_in_the_low_dtype(device, program):
 def torch_leaf(kind: str, h, torch):
   """A leaf layer in torch, with float32 parameters (``strategies._leaf``'s twin)."""
   fn = torch.nn.functional
-  p = torch.ones(strategies.D)
+  param = torch.ones(strategies.D)
   mean = lambda a: a.mean(-1, keepdim=True)
   if kind == "dense":
-    return fn.linear(h, torch.ones(strategies.D, strategies.D), p)
+    return fn.linear(h, torch.ones(strategies.D, strategies.D), param)
   if kind == "conv":
     return fn.conv1d(h[:, None, :], torch.ones(1, 1, 3), torch.ones(1), padding=1)[:, 0]
   if kind == "softmax_hand":
@@ -455,10 +457,10 @@ def torch_leaf(kind: str, h, torch):
     return (h - mean(h)) * torch.rsqrt(var + strategies.LN_EPSILON)
   if kind == "layer_norm_hand":
     var = mean(torch.square(h - mean(h)))
-    return (h - mean(h)) * torch.rsqrt(var + strategies.LN_EPSILON) * p + p
+    return (h - mean(h)) * torch.rsqrt(var + strategies.LN_EPSILON) * param + param
   return {
-    "add": lambda: h + p,
-    "mul": lambda: h * p,
+    "add": lambda: h + param,
+    "mul": lambda: h * param,
     "tanh": lambda: torch.tanh(h),
     "exp_abs": lambda: torch.exp(-h.abs()),
     "log1p_abs": lambda: torch.log1p(h.abs()),
@@ -467,7 +469,9 @@ def torch_leaf(kind: str, h, torch):
     "mean": lambda: h - mean(h),
     "softmax": lambda: fn.softmax(h, -1),
     "log_softmax": lambda: fn.log_softmax(h, -1),
-    "layer_norm_flax": lambda: fn.layer_norm(h, (strategies.D,), p, p, strategies.LN_EPSILON),
+    "layer_norm_flax": lambda: fn.layer_norm(
+      h, (strategies.D,), param, param, strategies.LN_EPSILON
+    ),
   }[kind]()
 
 
@@ -546,7 +550,9 @@ BIAS = jnp.linspace(0.0, 0.1, 8, dtype=jnp.float32)
 @pytest.mark.slow
 @devices
 def test_second_broadcast_add_after_a_dense_layer_promotes_like_torch(device):
-  fun = lambda x, w, b, p: (x @ w + b) + p  # a Dense layer, then e.g. a position embedding
+  fun = lambda x, w, b, position: (
+    (x @ w + b) + position
+  )  # a Dense layer, then e.g. a position embedding
   assert jaxamp.autocast(fun, device_type=device)(X, W, BIAS, BIAS).dtype == F32
 
 

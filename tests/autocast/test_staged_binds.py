@@ -113,7 +113,7 @@ def test_staging_applies_only_while_linearizing():
   fun, params = _loss_and_params(2)
   jaxamp.clear_caches()
   jax.make_jaxpr(fun)(params)
-  jax.make_jaxpr(lambda p: jax.jvp(fun, (p,), (p,)))(params)
+  jax.make_jaxpr(lambda params: jax.jvp(fun, (params,), (params,)))(params)
   assert not compat._staged_functions
   jax.make_jaxpr(jax.grad(fun))(params)
   assert compat._staged_functions

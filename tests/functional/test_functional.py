@@ -1,7 +1,7 @@
 """``jaxamp.functional`` against torch.nn.functional, in float32 and without autocast.
 
-The cases are the ``functional`` cases of ``tests/goldens/torch_cpu_autocast.json`` (see
-``scripts/record_torch_autocast_goldens.py``): their torch expression, evaluated with ``F`` and
+The cases are the ``functional`` cases of ``tests/torch_autocast_cases.py`` (recorded in
+``tests/goldens/torch_cpu_autocast.json``): their torch expression, evaluated with ``F`` and
 ``torch`` bound to ``jaxamp.functional``, is the JAX counterpart. The stored float32 results check
 values without torch; when torch is installed the same cases are also compared live, gradients
 included.
@@ -10,7 +10,6 @@ included.
 from __future__ import annotations
 
 import functools
-import json
 import types
 
 import jax
@@ -22,8 +21,7 @@ import torch_goldens
 from jaxamp import functional
 from jaxamp._src.autocast import regions
 
-GOLDEN = torch_goldens.GOLDEN
-CASES = {c["name"]: c for c in json.loads(GOLDEN.read_text())["cases"] if c["functional"]}
+CASES = {name: c for name, c in torch_goldens.CASES.items() if c["functional"]}
 NAMES = sorted(CASES)
 
 # ``F`` and ``torch`` in the stored expressions, seen from JAX.

@@ -210,7 +210,7 @@ def test_rnn_cell_dots_run_in_the_low_dtype_inside_the_scan(name, device_type, l
   in_scan = [
     eqn
     for path, eqn in jaxpr_utils.walk(jaxpr)
-    if eqn.primitive.name == "dot_general" and any(p.startswith("scan:") for p in path)
+    if eqn.primitive.name == "dot_general" and any(scope.startswith("scan:") for scope in path)
   ]
   assert in_scan
   assert all(v.aval.dtype == low for eqn in in_scan for v in eqn.invars + eqn.outvars)

@@ -48,8 +48,8 @@ SCRIPT = textwrap.dedent(
 
     def make_step(tx, mean_over=None):
       def step(params, opt_state, x, y):
-        def scaled_loss(p):
-          loss = loss_fn(p, x, y)
+        def scaled_loss(params):
+          loss = loss_fn(params, x, y)
           if mean_over is not None:  # shard_map: the mean over all devices' examples
             loss = jax.lax.pmean(loss, mean_over)
           return jaxamp.scale_loss(loss, opt_state), loss
@@ -85,12 +85,12 @@ SCRIPT = textwrap.dedent(
 
     result = {"devices": jax.device_count()}
     for name, (tx, step, place, shard) in runs.items():
-      p, s = place(params), place(tx.init(params))
+      run_params, s = place(params), place(tx.init(params))
       log = []
       for i, batch in enumerate(batches):
-        before = copies(p)
-        p, s, loss = step(p, s, shard(batch), shard(y))
-        after = copies(p)
+        before = copies(run_params)
+        run_params, s, loss = step(run_params, s, shard(batch), shard(y))
+        after = copies(run_params)
         log.append({
             "loss_finite": bool(np.isfinite(loss)),
             "found_inf": [bool(c) for c in copies(s.found_inf)[0]],
@@ -100,15 +100,15 @@ SCRIPT = textwrap.dedent(
                              for b, a in zip(leaf_b, leaf_a)),
             "copies_agree": all(np.array_equal(c, leaf[0]) for leaf in after for c in leaf),
             "low_precision_logits": str(jax.eval_shape(
-                jaxamp.autocast(model.apply, device_type="cuda"), p, batch).dtype),
+                jaxamp.autocast(model.apply, device_type="cuda"), run_params, batch).dtype),
         })
       result[name] = {
           "log": log,
           "params": [np.asarray(leaf, np.float32).ravel().tolist()
-                     for leaf in jax.tree.leaves(p)],
-          "param_dtypes": [str(leaf.dtype) for leaf in jax.tree.leaves(p)],
+                     for leaf in jax.tree.leaves(run_params)],
+          "param_dtypes": [str(leaf.dtype) for leaf in jax.tree.leaves(run_params)],
           "param_sharding_replicated": all(
-              leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(p)),
+              leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(run_params)),
       }
     print(json.dumps(result))
     """

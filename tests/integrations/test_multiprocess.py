@@ -50,7 +50,7 @@ def wait_for_checkpoint(directory: str, trainers: list[subprocess.Popen]) -> Non
   deadline = time.monotonic() + TIMEOUT
   saved = os.path.join(directory, worker.SAVED)
   while not os.path.exists(saved) and time.monotonic() < deadline:
-    if any(p.poll() is not None for p in trainers):
+    if any(process.poll() is not None for process in trainers):
       return
     time.sleep(0.2)
 

@@ -199,7 +199,7 @@ def resnet_gradients(policy: str, dtype=jnp.float32) -> jax.Array:
   variables = model.init(jax.random.key(0), RESNET_X[:1], train=False)
   loss_of = resnet_loss(model)
   state = {"batch_stats": variables["batch_stats"]}
-  grad = jax.grad(lambda p: loss_of(p, (RESNET_X, RESNET_Y), state)[0])
+  grad = jax.grad(lambda params: loss_of(params, (RESNET_X, RESNET_Y), state)[0])
   grads = jax.jit(under(policy, grad))(variables["params"])
   return jnp.concatenate([g.astype(jnp.float32).ravel() for g in jax.tree.leaves(grads)])
 

@@ -109,7 +109,7 @@ def test_linen_step_updates_params_and_step_count():
 
 def test_linen_step_keeps_float32_params():
   state, _ = linen_step(linen_state(scaler()))
-  assert {p.dtype for p in jax.tree.leaves(state.params)} == {F32}
+  assert {param.dtype for param in jax.tree.leaves(state.params)} == {F32}
 
 
 @pytest.mark.parametrize("device_type", ["cuda", "cpu", "xpu"])
@@ -272,13 +272,13 @@ def test_linen_step_with_multi_steps_skips_a_window_with_one_non_finite_micro_ba
 
 
 def test_linen_step_rejects_a_loss_function_returning_three_values():
-  step = make_train_step(lambda p, b: (linen_loss(p, b), 1.0, 2.0), enabled=False)
+  step = make_train_step(lambda params, b: (linen_loss(params, b), 1.0, 2.0), enabled=False)
   with pytest.raises(ValueError, match="pair"):
     step(linen_state(optax.sgd(0.1)), BATCH)
 
 
 def test_linen_step_rejects_a_non_scalar_loss():
-  step = make_train_step(lambda p, b: MLP().apply({"params": p}, b[0]), enabled=False)
+  step = make_train_step(lambda params, b: MLP().apply({"params": params}, b[0]), enabled=False)
   with pytest.raises(ValueError, match="scalar"):
     step(linen_state(optax.sgd(0.1)), BATCH)
 
@@ -350,7 +350,7 @@ def test_nnx_step_updates_the_params_in_place():
 def test_nnx_step_keeps_float32_params():
   model, optimizer = nnx_setup(scaler())
   nnx_step(model, optimizer)
-  assert {p.dtype for p in jax.tree.leaves(params_of(model))} == {F32}
+  assert {param.dtype for param in jax.tree.leaves(params_of(model))} == {F32}
 
 
 @pytest.mark.slow  # compiles a train step

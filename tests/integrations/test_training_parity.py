@@ -97,13 +97,13 @@ def train_linen(policy: str) -> Result:
   data, model = digits(), MLP()
   params = model.init(jax.random.key(0), data.x_train[:1])["params"]
   state = TrainState.create(apply_fn=model.apply, params=params, tx=optimizer(scaled))
-  loss_fn = lambda p, batch: cross_entropy(model.apply({"params": p}, batch[0]), batch[1])
+  loss_fn = lambda params, batch: cross_entropy(model.apply({"params": params}, batch[0]), batch[1])
   step = jax.jit(make_train_step(loss_fn, **kwargs))
   scales = []
   for idx in data.batches:
     state, metrics = step(state, (data.x_train[idx], data.y_train[idx]))
     scales.append(metrics["scale"])
-  apply = jax.jit(jaxamp.autocast(lambda p, x: model.apply({"params": p}, x), **kwargs))
+  apply = jax.jit(jaxamp.autocast(lambda params, x: model.apply({"params": params}, x), **kwargs))
   accuracy, loss = evaluate(lambda x: apply(state.params, x), data)
   return Result(accuracy, loss, np.asarray(scales), int(metrics["skipped_steps"]))
 

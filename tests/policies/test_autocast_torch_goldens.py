@@ -14,7 +14,6 @@ precision. With torch installed the comparison is also made live.
 from __future__ import annotations
 
 import functools
-import json
 import types
 from collections.abc import Callable
 
@@ -32,8 +31,7 @@ from jax import lax
 import jaxamp
 from jaxamp import functional
 
-GOLDEN = torch_goldens.GOLDEN
-CASES = {c["name"]: c for c in json.loads(GOLDEN.read_text())["cases"]}
+CASES = torch_goldens.CASES
 MODES = ("bfloat16", "float16")
 
 # Ops of torch's autocast op lists (CPU and CUDA, docs and source) with no JAX counterpart.

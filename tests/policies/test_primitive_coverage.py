@@ -239,8 +239,8 @@ def _collective(prim, fn, x=X, **kw):
 _ALL_RECIPES: tuple[Recipe, ...] = (
   # --- elementwise --------------------------------------------------------------------------
   *(
-    _unary(p, getattr(lax, f))
-    for p, f in [
+    _unary(primitive, getattr(lax, f))
+    for primitive, f in [
       ("abs", "abs"),
       ("asinh", "asinh"),
       ("atan", "atan"),
@@ -270,12 +270,17 @@ _ALL_RECIPES: tuple[Recipe, ...] = (
     ]
   ),
   *(
-    _unary(p, getattr(lax, f), UNIT)
-    for p, f in [("acos", "acos"), ("asin", "asin"), ("atanh", "atanh"), ("erf_inv", "erf_inv")]
+    _unary(primitive, getattr(lax, f), UNIT)
+    for primitive, f in [
+      ("acos", "acos"),
+      ("asin", "asin"),
+      ("atanh", "atanh"),
+      ("erf_inv", "erf_inv"),
+    ]
   ),
   *(
-    _unary(p, getattr(lax, f), POS)
-    for p, f in [
+    _unary(primitive, getattr(lax, f), POS)
+    for primitive, f in [
       ("digamma", "digamma"),
       ("lgamma", "lgamma"),
       ("log", "log"),
@@ -304,8 +309,8 @@ _ALL_RECIPES: tuple[Recipe, ...] = (
   ),
   _unary("dce_sink", lambda x: (lax.dce_sink(jnp.exp(x)), x * 2)[1]),
   *(
-    _binary(p, getattr(lax, f))
-    for p, f in [
+    _binary(primitive, getattr(lax, f))
+    for primitive, f in [
       ("add", "add"),
       ("sub", "sub"),
       ("mul", "mul"),
@@ -321,7 +326,10 @@ _ALL_RECIPES: tuple[Recipe, ...] = (
       ("ge", "ge"),
     ]
   ),
-  *(_binary(p, getattr(jex_primitives, f"{p}_p").bind) for p in ("eq_to", "le_to", "lt_to")),
+  *(
+    _binary(primitive, getattr(jex_primitives, f"{primitive}_p").bind)
+    for primitive in ("eq_to", "le_to", "lt_to")
+  ),
   _binary("add_any", jex_primitives.add_jaxvals_p.bind),
   _binary("div", lax.div, y=POS),
   Recipe("div", lambda x: 1.0 / x, (POS,), name="div[rdiv]"),
@@ -762,10 +770,12 @@ def test_ragged_dot_runs_in_the_low_dtype_like_dot_general(device_type, dtype, i
   """Operands in the low dtype; the result too, unless the caller fixed preferred_element_type
   (a float32 result of 16-bit inputs), exactly as dot_general's."""
   low = jnp.dtype(dtype)
-  p = {None: None, "dtype": F32, "scalar type": jnp.float32}[preferred]
+  preferred_type = {None: None, "dtype": F32, "scalar type": jnp.float32}[preferred]
   x, w, sizes = _ragged_inputs(None if inputs == "float32" else dtype)
-  ragged = lambda x, w, s: lax.ragged_dot(x, w, s, preferred_element_type=p)
-  dot = lambda x, w, s: lax.dot_general(x, w[0], (((1,), (0,)), ((), ())), preferred_element_type=p)
+  ragged = lambda x, w, s: lax.ragged_dot(x, w, s, preferred_element_type=preferred_type)
+  dot = lambda x, w, s: lax.dot_general(
+    x, w[0], (((1,), (0,)), ((), ())), preferred_element_type=preferred_type
+  )
   cast = lambda f: jaxamp.autocast(f, device_type=device_type, dtype=dtype)
   ((ins, outs),) = jaxpr_utils.dtypes_of(
     jax.make_jaxpr(cast(ragged))(x, w, sizes), "ragged_dot_general"

@@ -642,7 +642,8 @@ def _list_and_mode(param) -> tuple[str, str]:
 
 CUDA_PARAMS = first_of_each_family(_params("cuda"), _list_and_mode)
 CUDA_VALUE_PARAMS = first_of_each_family(
-  [p for p in _params("cuda") if cuda_category_dtype(p.values[0]) != "raises"], _list_and_mode
+  [param for param in _params("cuda") if cuda_category_dtype(param.values[0]) != "raises"],
+  _list_and_mode,
 )
 CPU_PARAMS = first_of_each_family(_params("cpu"), _list_and_mode)
 

@@ -52,7 +52,7 @@ MULTIHOST_BLOCKS = python_blocks(MULTIHOST_FENCE)
 
 
 def test_the_documents_have_python_blocks():
-  ids = [p.id for p in BLOCKS]
+  ids = [block.id for block in BLOCKS]
   assert any(i.startswith("README.md:") for i in ids)
   assert any(i.startswith("docs/") for i in ids)
 
@@ -79,7 +79,7 @@ def test_documented_program_runs(document, code, first_line, tmp_path, monkeypat
 
 
 def test_docs_scaling_has_multihost_programs():
-  assert any(p.id.startswith("docs/scaling.md:") for p in MULTIHOST_BLOCKS)
+  assert any(block.id.startswith("docs/scaling.md:") for block in MULTIHOST_BLOCKS)
 
 
 @pytest.mark.slow  # two JAX processes
@@ -112,23 +112,23 @@ def test_clipping_after_unscale_matches_clipping_inside_the_wrapper_to_float32_r
   clip = optax.clip_by_global_norm(0.5)
   inside = jaxamp.dynamic_loss_scale(optax.chain(clip, inner()))
   outside = jaxamp.dynamic_loss_scale(inner())
-  loss_fn = lambda p, x, y: jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+  loss_fn = lambda params, x, y: jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
   params = {"w": jax.random.normal(jax.random.key(0), (16, 8)), "b": jnp.zeros(8)}
 
-  def scaled_grads(p, s, x, y):
-    return jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, x, y), s))(p)
+  def scaled_grads(params, s, x, y):
+    return jax.grad(lambda params: jaxamp.scale_loss(loss_fn(params, x, y), s))(params)
 
   @jax.jit
-  def clip_inside(p, s, x, y):
-    updates, s = inside.update(scaled_grads(p, s, x, y), s, p)
-    return optax.apply_updates(p, updates), s
+  def clip_inside(params, s, x, y):
+    updates, s = inside.update(scaled_grads(params, s, x, y), s, params)
+    return optax.apply_updates(params, updates), s
 
   @jax.jit
-  def clip_after_unscale(p, s, x, y):
-    grads, found_inf = jaxamp.unscale(scaled_grads(p, s, x, y), s)
+  def clip_after_unscale(params, s, x, y):
+    grads, found_inf = jaxamp.unscale(scaled_grads(params, s, x, y), s)
     grads, _ = clip.update(grads, clip.init(grads))
-    updates, s = outside.update(grads, s, p, found_inf=found_inf)
-    return optax.apply_updates(p, updates), s
+    updates, s = outside.update(grads, s, params, found_inf=found_inf)
+    return optax.apply_updates(params, updates), s
 
   a, a_state = params, inside.init(params)
   b, b_state = params, outside.init(params)

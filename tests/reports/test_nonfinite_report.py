@@ -362,7 +362,7 @@ def test_linen_float16_overflow_is_pinned_to_the_layer():
   @jax.jit
   def step(params, opt_state):
     loss_fn = jaxamp.autocast(linen_loss, device_type="cuda")
-    grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, (X, Y)), opt_state))(params)
+    grads = jax.grad(lambda params: jaxamp.scale_loss(loss_fn(params, (X, Y)), opt_state))(params)
     _, opt_state = tx.update(grads, opt_state, params)
     return opt_state, nonfinite_report({"params": grads})
 

@@ -21,7 +21,7 @@ PARAMS = {"w": jnp.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]]), "b": jnp.array
 
 def grads_like(params, value=1.0, **overrides):
   """Gradients equal to ``value`` everywhere, with ``overrides[name][index] = v``."""
-  grads = jax.tree.map(lambda p: jnp.full_like(p, value), params)
+  grads = jax.tree.map(lambda param: jnp.full_like(param, value), params)
   for name, (index, v) in overrides.items():
     grads[name] = grads[name].at[index].set(v)
   return grads
@@ -133,7 +133,7 @@ def test_extra_args_are_forwarded_to_the_inner_transform():
   def update(updates, state, params=None, *, factor):
     return jax.tree.map(lambda u: u * factor, updates), state
 
-  inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+  inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
   tx = jaxamp.dynamic_loss_scale(inner, init_scale=2.0)
   step = jax.jit(lambda g, s: tx.update(g, s, None, factor=10.0))
   updates, _ = step({"g": jnp.array([4.0])}, tx.init(None))
@@ -385,12 +385,6 @@ def test_disabled_scaler_is_an_exact_pass_through_of_the_inner_optimizer():
   assert not state.found_inf and state.skipped_steps == 0
 
 
-def test_disabled_scaler_leaves_the_loss_unscaled():
-  state = jaxamp.dynamic_loss_scale(optax.sgd(0.1), enabled=False).init(PARAMS)
-  loss = jnp.float16(3.0)
-  assert jaxamp.scale_loss(loss, state) is loss
-
-
 # ------------------------------------------------------------------------------------------------
 # Validation.
 
@@ -414,6 +408,10 @@ def test_disabled_scaler_leaves_the_loss_unscaled():
     (dict(init_scale=math.inf), ValueError, r"`init_scale` must be > 0 and finite.*inf"),
     (dict(init_scale=math.nan), ValueError, r"`init_scale` must be > 0 and finite.*nan"),
     (dict(init_scale=1e39), ValueError, r"`init_scale` .*finite in float32.*1e\+39"),
+    (dict(init_scale="1"), TypeError, r"`init_scale` must be a real number"),
+    (dict(init_scale=jnp.float32(4.0)), TypeError, r"`init_scale` must be a real number"),
+    (dict(growth_factor=math.nan), ValueError, r"`growth_factor` must be > 1.0"),
+    (dict(growth_interval=2.0), TypeError, r"`growth_interval` must be an int.*2.0"),
     (dict(enabled="yes"), TypeError, r"`enabled` must be a bool.*'yes'"),
   ],
 )
@@ -422,14 +420,72 @@ def test_invalid_arguments_are_rejected_naming_the_argument(kwargs, error, messa
     jaxamp.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
 
 
-def test_inner_must_be_an_optax_gradient_transformation():
-  with pytest.raises(TypeError, match=r"`inner` must be an optax GradientTransformation.*function"):
-    jaxamp.dynamic_loss_scale(lambda g: g)
+@pytest.mark.parametrize(
+  "inner, got", [(lambda g: g, "function"), (None, "None"), (optax.sgd, "function")]
+)
+def test_inner_must_be_an_optax_gradient_transformation(inner, got):
+  with pytest.raises(TypeError, match=rf"`inner` must be an optax GradientTransformation.*{got}"):
+    jaxamp.dynamic_loss_scale(inner)
 
 
 def test_multisteps_object_is_rejected_with_a_hint():
   with pytest.raises(TypeError, match=r"`inner`.*MultiSteps.*gradient_transformation\(\)"):
     jaxamp.dynamic_loss_scale(optax.MultiSteps(optax.sgd(0.1), 2))
+
+
+def test_dynamic_loss_scale_accepts_numpy_scalars():
+  state = jaxamp.dynamic_loss_scale(
+    optax.sgd(0.1), init_scale=np.float32(8.0), growth_interval=np.int64(3)
+  ).init(PARAMS)
+  assert state.scale == 8.0 and state.growth_interval == 3
+
+
+def test_dynamic_loss_scale_options_are_keyword_only():
+  with pytest.raises(TypeError, match="positional argument"):
+    jaxamp.dynamic_loss_scale(optax.sgd(0.1), 2.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# update: unusual gradients and states.
+
+
+def test_update_with_axis_name_outside_a_mapped_context_names_the_unbound_axis():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), axis_name="data")
+  with pytest.raises(NameError, match="unbound axis name: data"):
+    tx.update(PARAMS, tx.init(PARAMS), PARAMS)
+
+
+@pytest.mark.parametrize("state", ["inner", "none"])
+def test_update_with_a_state_that_is_not_the_scalers_is_a_type_error(state):
+  tx = jaxamp.dynamic_loss_scale(optax.adam(0.1))
+  wrong = optax.adam(0.1).init(PARAMS) if state == "inner" else None
+  with pytest.raises(TypeError, match="DynamicLossScaleState"):
+    tx.update(PARAMS, wrong, PARAMS)
+
+
+def test_update_skips_none_leaves_and_checks_the_others():
+  tx = jaxamp.dynamic_loss_scale(optax.adam(0.1))
+  params = {"w": jnp.ones(3), "frozen": None}
+  state, update = tx.init(params), jax.jit(tx.update)
+  updates, new_state = update({"w": jnp.ones(3), "frozen": None}, state, params)
+  assert updates["frozen"] is None and not new_state.found_inf
+  _, new_state = update({"w": jnp.full(3, jnp.nan), "frozen": None}, state, params)
+  assert new_state.found_inf
+
+
+def test_update_of_zero_size_params_works_and_finds_no_overflow_in_them():
+  tx = jaxamp.dynamic_loss_scale(optax.adam(0.1))
+  params = {"empty": jnp.ones((0, 4)), "w": jnp.ones(3)}
+  state = tx.init(params)
+  updates, new_state = jax.jit(tx.update)(params, state, params)
+  assert updates["empty"].shape == (0, 4) and not new_state.found_inf
+  assert jaxamp.scaler.get_scale(new_state) == 2.0**16
+
+
+def test_update_of_an_empty_tree_is_a_finite_step():
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
+  updates, state = jax.jit(tx.update)({}, tx.init({}), {})
+  assert updates == {} and not state.found_inf and state.growth_tracker == 1
 
 
 # ------------------------------------------------------------------------------------------------

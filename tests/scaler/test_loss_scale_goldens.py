@@ -127,8 +127,8 @@ def test_live_end_to_end_training_matches_torch():
 
   @jax.jit
   def train_step(params, opt_state, x, y, inject_name_is_w, index, value, inject):
-    def loss_fn(p):
-      loss = jnp.mean((x @ p["W"].T + p["b"] - y) ** 2)
+    def loss_fn(params):
+      loss = jnp.mean((x @ params["W"].T + params["b"] - y) ** 2)
       return jaxamp.scale_loss(loss, opt_state)
 
     grads = jax.grad(loss_fn)(params)

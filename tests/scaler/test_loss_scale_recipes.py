@@ -31,7 +31,7 @@ def loss_fn(params, x=X, y=Y):
 def make_train_step(tx, loss=loss_fn):
   @jax.jit
   def train_step(params, opt_state, *batch):
-    grads = jax.grad(lambda p: jaxamp.scale_loss(loss(p, *batch), opt_state))(params)
+    grads = jax.grad(lambda params: jaxamp.scale_loss(loss(params, *batch), opt_state))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -95,7 +95,7 @@ def test_recipe_multisteps_around_the_scaler_skips_the_whole_accumulated_step_li
     mean = jax.tree.map(
       lambda *g: sum(g) / 4, *[jax.grad(loss_fn)(expected, x, y) for x, y in micro_batches(4)]
     )
-    expected = jax.tree.map(lambda p, g: p - 0.1 * g, expected, mean)
+    expected = jax.tree.map(lambda param, g: param - 0.1 * g, expected, mean)
   for name in PARAMS:
     np.testing.assert_allclose(params[name], expected[name], rtol=1e-5)
 
@@ -171,6 +171,42 @@ def test_multisteps_around_the_scaler_matches_torch_gradient_accumulation():
   np.testing.assert_allclose(params["b"], b.detach().numpy(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("k", [0, -1])
+def test_multi_steps_non_positive_k_is_a_value_error(k):
+  with pytest.raises(ValueError, match="every_k_schedule"):
+    jaxamp.multi_steps(optax.sgd(0.1), k)
+
+
+@pytest.mark.parametrize("k", [2.5, "a"])
+def test_multi_steps_non_integer_k_is_a_type_error(k):
+  with pytest.raises(TypeError, match="every_k_schedule"):
+    jaxamp.multi_steps(optax.sgd(0.1), k)
+
+
+@pytest.mark.parametrize("inner", [None, lambda g: g])
+def test_multi_steps_inner_must_be_a_gradient_transformation(inner):
+  with pytest.raises(TypeError, match="`inner` must be an optax GradientTransformation"):
+    jaxamp.multi_steps(inner, 2)
+
+
+def applies_every_second_step(k) -> bool:
+  params = {"w": jnp.ones(3)}
+  tx = jaxamp.multi_steps(optax.sgd(1.0), k)
+  state, update = tx.init(params), jax.jit(tx.update)
+  first, state = update(params, state, params)
+  second, state = update(params, state, params)
+  return bool(np.all(first["w"] == 0) and np.all(second["w"] == -1.0))
+
+
+@pytest.mark.parametrize("k", [2, lambda step: 2], ids=["int", "schedule"])
+def test_multi_steps_accepts_an_int_or_a_schedule(k):
+  assert applies_every_second_step(k)
+
+
+def test_multi_steps_accepts_a_numpy_integer():
+  assert applies_every_second_step(np.int64(2))
+
+
 # ------------------------------------------------------------------------------------------------
 # Several losses, gradient penalty.
 
@@ -178,15 +214,15 @@ def test_multisteps_around_the_scaler_matches_torch_gradient_accumulation():
 def test_recipe_several_losses_are_scaled_by_the_same_scale_and_summed():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=1024.0)
   opt_state = tx.init(PARAMS)
-  loss0 = lambda p: loss_fn(p)
-  loss1 = lambda p: jnp.sum(p["w"] ** 2)
+  loss0 = lambda params: loss_fn(params)
+  loss1 = lambda params: jnp.sum(params["w"] ** 2)
 
-  def scaled_total(p):  # torch: scaler.scale(loss0).backward(); scaler.scale(loss1).backward()
-    scaled = jaxamp.scale_loss((loss0(p), loss1(p)), opt_state)
+  def scaled_total(params):  # torch: scaler.scale(loss0).backward(); scaler.scale(loss1).backward()
+    scaled = jaxamp.scale_loss((loss0(params), loss1(params)), opt_state)
     return scaled[0] + scaled[1]
 
   updates, _ = jax.jit(tx.update)(jax.grad(scaled_total)(PARAMS), opt_state, PARAMS)
-  expected = jax.grad(lambda p: loss0(p) + loss1(p))(PARAMS)
+  expected = jax.grad(lambda params: loss0(params) + loss1(params))(PARAMS)
   for name in PARAMS:
     np.testing.assert_allclose(updates[name], -expected[name], rtol=1e-5)
 
@@ -198,16 +234,18 @@ def test_recipe_gradient_penalty_unscales_the_inner_gradients_by_dividing_by_the
 
   @jax.jit
   def penalized_grads(params, opt_state):
-    def total(p):
-      scaled_grads = jax.grad(lambda q: jaxamp.scale_loss(loss_fn(q), opt_state))(p)
+    def total(params):
+      scaled_grads = jax.grad(lambda q: jaxamp.scale_loss(loss_fn(q), opt_state))(params)
       grads = jax.tree.map(lambda g: g / jaxamp.scaler.get_scale(opt_state), scaled_grads)
       penalty = optax.tree.norm(grads)
-      return jaxamp.scale_loss(loss_fn(p) + penalty, opt_state)
+      return jaxamp.scale_loss(loss_fn(params) + penalty, opt_state)
 
     return jax.grad(total)(params)
 
   updates, _ = jax.jit(tx.update)(penalized_grads(PARAMS, opt_state), opt_state, PARAMS)
-  expected = jax.grad(lambda p: loss_fn(p) + optax.tree.norm(jax.grad(loss_fn)(p)))(PARAMS)
+  expected = jax.grad(lambda params: loss_fn(params) + optax.tree.norm(jax.grad(loss_fn)(params)))(
+    PARAMS
+  )
   for name in PARAMS:
     np.testing.assert_allclose(updates[name], -expected[name], rtol=1e-4)
 
@@ -290,14 +328,14 @@ _DATA_PARALLEL_SCRIPT = textwrap.dedent(
     tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0, growth_interval=2,
                                    axis_name="data")
 
-    def loss_fn(p, x, y):
-      return jnp.mean((x @ p["w"] - y) ** 2)
+    def loss_fn(params, x, y):
+      return jnp.mean((x @ params["w"] - y) ** 2)
 
     def train_step(params, opt_state, x, y):  # per device: its 4 examples
       # The loss is the mean over all devices; the gradient of the replicated params is then
       # the global one on every device (shard_map's psum of the per-device contributions).
-      global_loss = lambda p: jax.lax.pmean(loss_fn(p, x, y), "data")
-      grads = jax.grad(lambda p: jaxamp.scale_loss(global_loss(p), opt_state))(params)
+      global_loss = lambda params: jax.lax.pmean(loss_fn(params, x, y), "data")
+      grads = jax.grad(lambda params: jaxamp.scale_loss(global_loss(params), opt_state))(params)
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
@@ -308,7 +346,7 @@ _DATA_PARALLEL_SCRIPT = textwrap.dedent(
 
     @jax.jit
     def single_step(params, opt_state, x, y):
-      grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, x, y), opt_state))(params)
+      grads = jax.grad(lambda params: jaxamp.scale_loss(loss_fn(params, x, y), opt_state))(params)
       updates, opt_state = single_tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 

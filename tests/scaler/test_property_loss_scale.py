@@ -150,12 +150,12 @@ SEED = 6
 def scaled_gradients(base, codes, scale, like):
   """``base * scale`` in float32, cast to each leaf's dtype (may overflow), then injected."""
   out = []
-  for b, c, p in zip(base, codes, like, strict=True):
-    g = (b * scale).astype(p.dtype)
+  for b, c, leaf in zip(base, codes, like, strict=True):
+    g = (b * scale).astype(leaf.dtype)
     g = jnp.where(
       c == POS_INF, jnp.inf, jnp.where(c == NEG_INF, -jnp.inf, jnp.where(c == NAN, jnp.nan, g))
     )
-    out.append(g.astype(p.dtype))
+    out.append(g.astype(leaf.dtype))
   return out
 
 
@@ -350,7 +350,7 @@ def test_storm_trains_like_adam_on_the_finite_steps_alone(storm):
 
 def _nan_steps(n: int):
   tx = jaxamp.dynamic_loss_scale(optimizer())
-  nan_grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), PARAMS)
+  nan_grads = jax.tree.map(lambda param: jnp.full_like(param, jnp.nan), PARAMS)
 
   @jax.jit
   def steps(params, state):

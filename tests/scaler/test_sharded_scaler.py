@@ -119,22 +119,22 @@ SCRIPT = textwrap.dedent(
       sharded = jax.jit(jax.shard_map(
           make_step(tx_d), mesh=mesh, in_specs=(specs(params), specs(state), specs(params)),
           out_specs=(specs(params), specs(state))))
-      p, s, p_d, s_d = params, tx.init(params), params, state
+      plain_params, s, sharded_params, s_d = params, tx.init(params), params, state
       log = []
       for g in batches:
-        before_p, before_inner = bits(p_d), bits(scaler_state(s_d).inner_state)
-        p, s = unsharded(p, s, g)
-        p_d, s_d = sharded(p_d, s_d, g)
+        before_p, before_inner = bits(sharded_params), bits(scaler_state(s_d).inner_state)
+        plain_params, s = unsharded(plain_params, s, g)
+        sharded_params, s_d = sharded(sharded_params, s_d, g)
         sc, sc_d = scaler_state(s), scaler_state(s_d)
         log.append({
-            "params_unchanged": bits(p_d) == before_p,
+            "params_unchanged": bits(sharded_params) == before_p,
             "inner_state_unchanged": bits(sc_d.inner_state) == before_inner,
-            "params_bitwise_unsharded": bits(p_d) == bits(p),
+            "params_bitwise_unsharded": bits(sharded_params) == bits(plain_params),
             "state_bitwise_unsharded": bits(s_d) == bits(s),
-            "params_max_diff": max_diff(p_d, p),
+            "params_max_diff": max_diff(sharded_params, plain_params),
             "state_max_diff": max_diff(s_d, s),
-            "replicas_agree": replicas_agree((p_d, s_d)),
-            "w_is_sharded": not p_d["w"].sharding.is_fully_replicated,
+            "replicas_agree": replicas_agree((sharded_params, s_d)),
+            "w_is_sharded": not sharded_params["w"].sharding.is_fully_replicated,
             "scale": copies(sc_d.scale), "found_inf": copies(sc_d.found_inf),
             "growth_tracker": copies(sc_d.growth_tracker),
             "skipped_steps": copies(sc_d.skipped_steps),
@@ -158,15 +158,16 @@ SCRIPT = textwrap.dedent(
 
       @jax.jit
       def step(params, opt_state, x, y):
-        grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p, x, y), opt_state))(params)
+        scaled_loss = lambda params: jaxamp.scale_loss(loss_fn(params, x, y), opt_state)
+        grads = jax.grad(scaled_loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
       def train_step(params, opt_state, x, y):  # params: this device's rows of w, and b
-        def global_loss(p):
-          full = dict(p, w=jax.lax.all_gather(p["w"], "d", tiled=True))
+        def global_loss(params):
+          full = dict(params, w=jax.lax.all_gather(params["w"], "d", tiled=True))
           return jax.lax.pmean(loss_fn(full, x, y), "d")
-        grads = jax.grad(lambda p: jaxamp.scale_loss(global_loss(p), opt_state))(params)
+        grads = jax.grad(lambda params: jaxamp.scale_loss(global_loss(params), opt_state))(params)
         updates, opt_state = tx_d.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -174,15 +175,19 @@ SCRIPT = textwrap.dedent(
       fsdp_step = jax.jit(jax.shard_map(
           train_step, mesh=mesh, in_specs=(specs(params), specs(state), P("d"), P("d")),
           out_specs=(specs(params), specs(state))))
-      p, s, p_d, s_d = params, tx.init(params), params, state
+      plain_params, s, sharded_params, s_d = params, tx.init(params), params, state
       log = []
       for xb, yb in batches:
-        before = bits(p_d)
-        p, s = step(p, s, xb, yb)
-        p_d, s_d = fsdp_step(p_d, s_d, xb, yb)
-        log.append({"params_unchanged": bits(p_d) == before, "scale": copies(s_d.scale),
-                    "unsharded_scale": float(s.scale), "params_max_diff": max_diff(p_d, p),
-                    "params_scale": max(float(np.max(np.abs(x))) for x in jax.tree.leaves(p))})
+        before = bits(sharded_params)
+        plain_params, s = step(plain_params, s, xb, yb)
+        sharded_params, s_d = fsdp_step(sharded_params, s_d, xb, yb)
+        log.append({
+            "params_unchanged": bits(sharded_params) == before,
+            "scale": copies(s_d.scale),
+            "unsharded_scale": float(s.scale),
+            "params_max_diff": max_diff(sharded_params, plain_params),
+            "params_scale": max(float(np.max(np.abs(x))) for x in jax.tree.leaves(plain_params)),
+        })
       return log
 
     def statistic_state():

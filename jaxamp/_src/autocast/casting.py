@@ -69,13 +69,22 @@ def saturating_convert(value, dtype: np.dtype) -> Any:
 
 def _saturator(source: np.dtype, dtype: np.dtype):
   info = jnp.finfo(dtype)
-  low, high = np.asarray(info.min, source), np.asarray(info.max, source)
+  low, high = _within(info.min, source), _within(info.max, source)
 
   def saturating_convert_element_type(value):
     clipped = lax.clamp(low, value, high)
     return lax.convert_element_type(jnp.where(jnp.isinf(value), value, clipped), dtype)
 
   return saturating_convert_element_type
+
+
+def _within(bound, source: np.dtype) -> np.ndarray:
+  """``bound`` in ``source``, rounded toward zero: float16's largest value rounds up to 65536 in
+  bfloat16, which float16 cannot hold."""
+  rounded = np.asarray(bound, source)
+  if abs(float(rounded)) > abs(float(bound)):
+    rounded = np.nextafter(rounded, np.zeros((), source))
+  return rounded
 
 
 def convert(value, dtype: np.dtype) -> Any:

@@ -12,13 +12,15 @@ from typing import Any
 
 from jaxamp._src import caches, compat
 
-p = compat.primitives
+prims = compat.primitives
 
 # Primitives that move or copy a value without computing: what comes out has the provenance of
 # what went in (a parameter stays a parameter, a dot's output stays a dot's output).
-LAYOUT = frozenset({p.broadcast_in_dim_p, p.reshape_p, p.squeeze_p, p.transpose_p, p.copy_p})
+LAYOUT = frozenset(
+  {prims.broadcast_in_dim_p, prims.reshape_p, prims.squeeze_p, prims.transpose_p, prims.copy_p}
+)
 # ... and casts, which keep where a value comes from too (a cast parameter is a parameter).
-KEEPS_PROVENANCE = LAYOUT | {p.convert_element_type_p}
+KEEPS_PROVENANCE = LAYOUT | {prims.convert_element_type_p}
 
 # What each dim of a value varies along: per dim, the origins of its extent. A value varies
 # along its own dims ({"own"}; size-1 dims along nothing); a low-precision matmul's output
@@ -95,7 +97,7 @@ class Provenance:
   def note_weak_flow(self, eqn) -> None:
     """A broadcast literal is a fill, and a layout change of a weak value is weak."""
     source = eqn.invars[0] if eqn.invars else None
-    if eqn.primitive is p.broadcast_in_dim_p and compat.is_literal(source):
+    if eqn.primitive is prims.broadcast_in_dim_p and compat.is_literal(source):
       self.fills[eqn.outvars[0]] = eqn  # zeros_like & co: a fill follows the other operand
       self.weak.update(eqn.outvars)
     if eqn.primitive in LAYOUT and not compat.is_literal(source) and source in self.weak:
@@ -165,12 +167,12 @@ def matmul_dims(eqn) -> Dims:
   """What each dim of a dot's or conv's output varies along: an operand's free dims along it
   (a conv's output features along the kernel), batch and spatial dims along "other"."""
   ndim = eqn.outvars[0].aval.ndim
-  if eqn.primitive is p.dot_general_p:
+  if eqn.primitive is prims.dot_general_p:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
     lhs_free = eqn.invars[0].aval.ndim - len(lhs_contract) - len(lhs_batch)
     rhs_free = eqn.invars[1].aval.ndim - len(rhs_contract) - len(rhs_batch)
     return (OTHER,) * len(lhs_batch) + (LHS,) * lhs_free + (RHS,) * rhs_free
-  if eqn.primitive is p.conv_general_dilated_p:
+  if eqn.primitive is prims.conv_general_dilated_p:
     feature = eqn.params["dimension_numbers"].out_spec[1]
     return tuple(RHS if d == feature else OTHER for d in range(ndim))
   return (OTHER,) * (ndim - 1) + (RHS,)  # ragged dot: the last dim is the weight's
@@ -180,18 +182,18 @@ def layout_dims(eqn, dims: Dims) -> Dims:
   """``dims`` moved through a layout change or cast ``eqn``."""
   primitive, params = eqn.primitive, eqn.params
   out_shape = eqn.outvars[0].aval.shape
-  if primitive is p.transpose_p:
+  if primitive is prims.transpose_p:
     return tuple(dims[d] for d in params["permutation"])
-  if primitive is p.squeeze_p:
+  if primitive is prims.squeeze_p:
     dropped = {d % len(dims) for d in params["dimensions"]}
     return tuple(d for i, d in enumerate(dims) if i not in dropped)
-  if primitive is p.broadcast_in_dim_p:
+  if primitive is prims.broadcast_in_dim_p:
     out = [NOWHERE] * len(out_shape)
     in_shape = eqn.invars[0].aval.shape
     for i, d in enumerate(params["broadcast_dimensions"]):
       out[d] = dims[i] if in_shape[i] == out_shape[d] else NOWHERE
     return tuple(out)
-  if primitive is p.reshape_p:
+  if primitive is prims.reshape_p:
     return _reshape_dims(eqn.invars[0].aval.shape, out_shape, dims, params.get("dimensions"))
   return dims  # casts and copies
 
@@ -239,7 +241,7 @@ def activation_reads(jaxpr) -> set[Any]:
       if not compat.is_literal(eqn.invars[0]):
         roots[eqn.outvars[0]] = roots.get(eqn.invars[0], eqn.invars[0])
       continue
-    if eqn.primitive is p.add_p:
+    if eqn.primitive is prims.add_p:
       continue
     for atom in _activation_inputs(eqn):
       if not compat.is_literal(atom):

@@ -209,11 +209,11 @@ class BodyInputs(NamedTuple):
 
 def _carries(eqn) -> slice | None:
   """Where a loop's carries are among its inputs; None for an eqn that is not a loop."""
-  p = eqn.params
+  params = eqn.params
   if eqn.primitive is prims.scan_p:
-    return slice(p["num_consts"], p["num_consts"] + p["num_carry"])
+    return slice(params["num_consts"], params["num_consts"] + params["num_carry"])
   if eqn.primitive is prims.while_p:
-    return slice(p["cond_nconsts"] + p["body_nconsts"], len(eqn.invars))
+    return slice(params["cond_nconsts"] + params["body_nconsts"], len(eqn.invars))
   return None
 
 
@@ -289,9 +289,9 @@ def scan_out_dtypes(eqn) -> tuple:
 
 
 def _scan_rule(eqn, invals, env, ctx):
-  p = eqn.params
-  n_consts = p["num_consts"]
-  closed = p["jaxpr"]
+  params = eqn.params
+  n_consts = params["num_consts"]
+  closed = params["jaxpr"]
   inputs = body_inputs(eqn, invals, env)
   invals = inputs.values
   new, hoisted = rewrite(
@@ -305,18 +305,18 @@ def _scan_rule(eqn, invals, env, ctx):
     computed=inputs.computed,
   )
   extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
-  params = dict(p, jaxpr=new, num_consts=n_consts + len(extras))
-  return compat.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], params)
+  new_params = dict(params, jaxpr=new, num_consts=n_consts + len(extras))
+  return compat.bind(eqn, [*invals[:n_consts], *extras, *invals[n_consts:]], new_params)
 
 
 def _while_rule(eqn, invals, env, ctx):
-  p = eqn.params
-  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  params = eqn.params
+  n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
   inputs = body_inputs(eqn, invals, env)
   invals = inputs.values
   cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
   carry = invals[n_cond + n_body :]
-  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  cond, body = params["cond_jaxpr"], params["body_jaxpr"]
   new_cond, _ = rewrite(
     cond.jaxpr,
     cond.consts,
@@ -336,8 +336,10 @@ def _while_rule(eqn, invals, env, ctx):
     computed=inputs.computed[n_cond:],
   )
   extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
-  params = dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body, body_nconsts=n_body + len(extras))
-  return compat.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], params)
+  new_params = dict(
+    params, cond_jaxpr=new_cond, body_jaxpr=new_body, body_nconsts=n_body + len(extras)
+  )
+  return compat.bind(eqn, [*cond_consts, *body_consts, *extras, *carry], new_params)
 
 
 def _cond_rule(eqn, invals, env, ctx):
@@ -362,16 +364,16 @@ def _cond_rule(eqn, invals, env, ctx):
 
 def _shard_map_rule(eqn, invals, env, ctx):
   """Re-binds through ``jax.shard_map``, which traces the body in the mesh's axis context."""
-  p = eqn.params
-  body = p["jaxpr"]
+  params = eqn.params
+  body = params["jaxpr"]
   path = sub_path(env.path, eqn)
   mapped = jax.shard_map(
     lambda *args: tuple(evaluate(body, (), args, ctx, path=path)),
-    mesh=p["mesh"],
-    in_specs=p["in_specs"],
-    out_specs=p["out_specs"],
-    axis_names=compat.shard_map_axis_names(p),
-    check_vma=p["check_vma"],
+    mesh=params["mesh"],
+    in_specs=params["in_specs"],
+    out_specs=params["out_specs"],
+    axis_names=compat.shard_map_axis_names(params),
+    check_vma=params["check_vma"],
   )
   return list(mapped(*invals))
 
@@ -449,7 +451,9 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
   def autocast_fun_jvp(primals, tangents):
     primals, tangents = list(primals[num_consts:]), list(tangents[num_consts:])
     if not sees_zeros:
-      tangents = [_instantiate_tangent(p, t) for p, t in zip(primals, tangents, strict=True)]
+      tangents = [
+        _instantiate_tangent(primal, t) for primal, t in zip(primals, tangents, strict=True)
+      ]
     zeros = [compat.is_symbolic_zero(t) for t in tangents]
     jaxpr, consts, out_zeros = rule(zeros)
     nonzero = [t for t, zero in zip(tangents, zeros, strict=True) if not zero]
@@ -630,15 +634,15 @@ def _eager_call(param: str):
 
 
 def _eager_scan(eqn, values, evaluate: BodyEvaluator) -> list | None:
-  p = eqn.params
-  n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+  params = eqn.params
+  n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
   if length == 0:
     return None
-  body = p["jaxpr"]
+  body = params["jaxpr"]
   consts, carry = values[:n_consts], values[n_consts : n_consts + n_carry]
   xs = values[n_consts + n_carry :]
   ys: list = [None] * length
-  for step in reversed(range(length)) if p["reverse"] else range(length):
+  for step in reversed(range(length)) if params["reverse"] else range(length):
     args = [*consts, *carry, *(x[step] for x in xs)]
     outs = evaluate(
       body.jaxpr, body.consts, args, "", scan_out_dtypes(eqn), range(len(values)), step
@@ -648,9 +652,9 @@ def _eager_scan(eqn, values, evaluate: BodyEvaluator) -> list | None:
 
 
 def _eager_while(eqn, values, evaluate: BodyEvaluator) -> list:
-  p = eqn.params
-  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
-  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  params = eqn.params
+  n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+  cond, body = params["cond_jaxpr"], params["body_jaxpr"]
   cond_consts, body_consts = values[:n_cond], values[n_cond : n_cond + n_body]
   carry = values[n_cond + n_body :]
   step = 0

@@ -33,7 +33,7 @@ from jaxamp._src.autocast.context import Context, Env, Rule, RuleSet
 from jaxamp._src.policies.policy import Policy
 from jaxamp._src.policies.table import LOW_DTYPES, NO_16_BIT_KERNELS, Category
 
-p = compat.primitives
+prims = compat.primitives
 
 
 class Decider(enum.Enum):
@@ -85,15 +85,15 @@ class Applied(NamedTuple):
 # Primitives whose meaning depends on their input dtypes: they always get the traced ones back.
 KEEP_DTYPES = frozenset(
   {
-    p.bitcast_convert_type_p,
-    p.reduce_p,
-    p.reduce_window_p,
-    p.select_and_scatter_p,
-    p.select_and_gather_add_p,
-    p.pure_callback_p,
-    p.io_callback_p,
-    p.ffi_call_p,
-    p.run_state_p,
+    prims.bitcast_convert_type_p,
+    prims.reduce_p,
+    prims.reduce_window_p,
+    prims.select_and_scatter_p,
+    prims.select_and_gather_add_p,
+    prims.pure_callback_p,
+    prims.io_callback_p,
+    prims.ffi_call_p,
+    prims.run_state_p,
   }
 )
 # The same for primitives of optional backends JAX exports no object for (Pallas, Mosaic).
@@ -101,16 +101,16 @@ KEEP_DTYPES_BY_NAME = frozenset({"pallas_call", "mosaic_gpu_call", "tpu_custom_c
 
 # Primitives with a scalar combiner jaxpr typed like the operand, re-typed after a cast.
 COMBINER_PARAM = {
-  p.scatter_add_p: "update_jaxpr",
-  p.scatter_mul_p: "update_jaxpr",
-  p.scatter_min_p: "update_jaxpr",
-  p.scatter_max_p: "update_jaxpr",
-  p.scatter_p: "update_jaxpr",
+  prims.scatter_add_p: "update_jaxpr",
+  prims.scatter_mul_p: "update_jaxpr",
+  prims.scatter_min_p: "update_jaxpr",
+  prims.scatter_max_p: "update_jaxpr",
+  prims.scatter_p: "update_jaxpr",
 }
 
 # Primitives that compute in the low dtype: their outputs are ``lowered`` (a bias added to them
 # stays low), and inside a LOWER op everything they read is cast.
-MATMULS = frozenset({p.dot_general_p, p.conv_general_dilated_p, p.ragged_dot_general_p})
+MATMULS = frozenset({prims.dot_general_p, prims.conv_general_dilated_p, prims.ragged_dot_general_p})
 
 
 # Arithmetic and comparisons with a Python scalar: torch computes them in float32 ("opmath")
@@ -118,23 +118,23 @@ MATMULS = frozenset({p.dot_general_p, p.conv_general_dilated_p, p.ragged_dot_gen
 # answer in it; one that does not (``x * 1e5`` in float16) makes the op compute in float32.
 SCALAR_OPMATH = frozenset(
   {
-    p.add_p,
-    p.sub_p,
-    p.mul_p,
-    p.div_p,
-    p.rem_p,
-    p.pow_p,
-    p.max_p,
-    p.min_p,
-    p.clamp_p,
-    p.atan2_p,
-    p.nextafter_p,
-    p.lt_p,
-    p.le_p,
-    p.gt_p,
-    p.ge_p,
-    p.eq_p,
-    p.ne_p,
+    prims.add_p,
+    prims.sub_p,
+    prims.mul_p,
+    prims.div_p,
+    prims.rem_p,
+    prims.pow_p,
+    prims.max_p,
+    prims.min_p,
+    prims.clamp_p,
+    prims.atan2_p,
+    prims.nextafter_p,
+    prims.lt_p,
+    prims.le_p,
+    prims.gt_p,
+    prims.ge_p,
+    prims.eq_p,
+    prims.ne_p,
   }
 )
 
@@ -142,7 +142,7 @@ SCALAR_OPMATH = frozenset(
 # Primitives that map each operand to its own result (sorting keys and values together, or a
 # barrier, or a transfer): an operand that shared a dtype with another when traced need not now.
 # Every other primitive gets operands equal-typed when traced equal-typed again.
-INDEPENDENT_OPERANDS = frozenset({p.optimization_barrier_p, p.sort_p, p.device_put_p})
+INDEPENDENT_OPERANDS = frozenset({prims.optimization_barrier_p, prims.sort_p, prims.device_put_p})
 
 
 def keeps_dtypes(eqn) -> bool:
@@ -235,13 +235,16 @@ def primitive_category(eqn, policy: Policy) -> Category:
 def _variant(eqn) -> str | None:
   """A finer key for primitives whose torch op depends on how they are used."""
   primitive = eqn.primitive
-  if primitive is p.div_p:
+  if primitive is prims.div_p:
     numerator = eqn.invars[0]
     if not numerator.aval.shape and (compat.is_literal(numerator) or numerator.aval.weak_type):
       return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
-  if primitive is p.dot_general_p and all(atom.aval.ndim == 1 for atom in eqn.invars):
+  if primitive is prims.dot_general_p and all(atom.aval.ndim == 1 for atom in eqn.invars):
     return "vector"  # vector . vector: torch's dot / vdot, not mm
-  if primitive in (p.reduce_window_sum_p, p.reduce_window_max_p) and eqn.invars[0].aval.ndim == 5:
+  if (
+    primitive in (prims.reduce_window_sum_p, prims.reduce_window_max_p)
+    and eqn.invars[0].aval.ndim == 5
+  ):
     return "3d"  # (N, D, H, W, C) pooling: torch's avg_pool3d / max_pool3d
   return None
 
@@ -369,8 +372,8 @@ def _fp8_matmul(eqn, env: Env, ctx: Context) -> Applied:
 
 # Special cases outside op calls, by primitive; every other primitive is ``by_category``.
 PRIMITIVE_RULES: dict[Any, Rule] = {
-  p.convert_element_type_p: _convert,
-  p.add_p: _add,
+  prims.convert_element_type_p: _convert,
+  prims.add_p: _add,
   **dict.fromkeys(MATMULS, _matmul),
 }
 
@@ -466,7 +469,7 @@ def _no_16_bit_kernel_in_op(eqn, env: Env, ctx: Context) -> Applied:
 
 # Special cases inside op calls, by primitive; every other primitive is ``op_entry``.
 IN_OP_RULES: dict[Any, Rule] = {
-  p.convert_element_type_p: _convert_in_op,
+  prims.convert_element_type_p: _convert_in_op,
   **dict.fromkeys(MATMULS, _matmul_in_op),
   **dict.fromkeys(NO_16_BIT_KERNELS, _no_16_bit_kernel_in_op),
 }
@@ -621,7 +624,7 @@ def record_facts(eqn, env: Env, applied: Applied) -> None:
       facts.note_matmul(eqn)
   if ruling.rule in (Decider.CATEGORY, Decider.WEAK_SCALAR):
     facts.note_weak_flow(eqn)
-    if eqn.primitive is p.convert_element_type_p:
+    if eqn.primitive is prims.convert_element_type_p:
       source = eqn.invars[0]
       if facts.is_weak(source, env.read(source)):
         facts.weak.update(eqn.outvars)

@@ -41,9 +41,9 @@ from jaxamp._src import caches, compat
 from jaxamp._src.autocast.context import Env
 from jaxamp._src.policies.table import LOW_DTYPES
 
-p = compat.primitives
+prims = compat.primitives
 FLOAT32 = jnp.dtype(jnp.float32)
-MATMULS = frozenset({p.dot_general_p, p.conv_general_dilated_p})
+MATMULS = frozenset({prims.dot_general_p, prims.conv_general_dilated_p})
 SymbolicZero = jax.custom_derivatives.SymbolicZero
 
 _enabled = True
@@ -198,9 +198,9 @@ def _broadcast(tangent, shape) -> Any:
 
 
 _TANGENTS: dict[Any, Callable[..., Any]] = {
-  p.dot_general_p: _matmul_tangent,
-  p.conv_general_dilated_p: _matmul_tangent,
-  p.add_p: _add_tangent,
+  prims.dot_general_p: _matmul_tangent,
+  prims.conv_general_dilated_p: _matmul_tangent,
+  prims.add_p: _add_tangent,
 }
 
 
@@ -244,7 +244,7 @@ def _transpose_tangent(ct, other, tangent, *, matmul, params, position, low) -> 
 
   For a dot, traced once per signature (``compat.staged``): every layer of a deep model
   transposes the same few dots, and the bfloat16 one traces both platforms' branches."""
-  if matmul is not p.dot_general_p:
+  if matmul is not prims.dot_general_p:
     return _transposed(matmul, params, position, ct, other, tangent)
   if any(_explicitly_sharded(x) for x in (ct, other, tangent)):
     # The cached transposes are typed without shardings: JAX's own transpose, traced here.
@@ -323,7 +323,7 @@ def _unfolded_transpose(matmul, params, position, result_dtype, ct, other, tange
   transposed_outputs = {
     producers[eqn.invars[0]]
     for eqn in closed.jaxpr.eqns
-    if eqn.primitive is p.transpose_p and eqn.invars[0] in producers
+    if eqn.primitive is prims.transpose_p and eqn.invars[0] in producers
   }
   matmuls = {i for i, eqn in enumerate(closed.jaxpr.eqns) if eqn.primitive in MATMULS}
   return closed, frozenset(transposed_outputs & matmuls)

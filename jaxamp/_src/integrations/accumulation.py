@@ -55,7 +55,7 @@ def multi_steps(
 
 
 def _unless_emitted(emitted: jax.Array, update: jax.Array) -> jax.Array:
-  """-0.0 on micro-steps, where MultiSteps gives +0.0: ``p + -0.0`` is ``p`` bit for bit."""
+  """-0.0 on micro-steps, where MultiSteps gives +0.0: ``param + -0.0`` is ``param`` bit for bit."""
   if not jnp.issubdtype(update.dtype, jnp.inexact):
     return update
   return jnp.where(emitted, update, jnp.array(-0.0, update.dtype))

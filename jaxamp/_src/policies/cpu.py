@@ -11,7 +11,7 @@ from jaxamp._src import compat
 from jaxamp._src.policies import shared
 from jaxamp._src.policies.table import Category, Row, Table, Variant, named_op_rows
 
-p = compat.primitives
+prims = compat.primitives
 
 L, F, P, N, F_IN = (
   Category.LOWER,
@@ -36,7 +36,7 @@ ROWS = (
       "mkldnn_rnn_layer",
     ),
     L,
-    primitives=(p.dot_general_p,),
+    primitives=(prims.dot_general_p,),
   ),
   *shared.GROUPED_MATMUL,
   Row(
@@ -51,7 +51,7 @@ ROWS = (
       "conv_transpose3d",
     ),
     L,
-    primitives=(p.conv_general_dilated_p,),
+    primitives=(prims.conv_general_dilated_p,),
   ),
   Row(("prelu",), L, ops=("prelu",)),
   Row(
@@ -60,27 +60,27 @@ ROWS = (
     ops=("scaled_dot_product_attention",),
   ),
   # --- float32: primitives ---------------------------------------------------------------------
-  Row(("prod",), F, primitives=(p.reduce_prod_p,), ops=("prod",)),
+  Row(("prod",), F, primitives=(prims.reduce_prod_p,), ops=("prod",)),
   Row(
     ("cholesky", "linalg_cholesky", "linalg_cholesky_ex", "cholesky_inverse", "cholesky_solve"),
     F,
-    primitives=(p.cholesky_p,),
+    primitives=(prims.cholesky_p,),
   ),
-  Row(("triangular_solve", "lu_solve"), F, primitives=(p.triangular_solve_p,)),
-  Row(("_lu_with_info",), F, primitives=(p.lu_p,)),
+  Row(("triangular_solve", "lu_solve"), F, primitives=(prims.triangular_solve_p,)),
+  Row(("_lu_with_info",), F, primitives=(prims.lu_p,)),
   Row(("inverse", "linalg_inv", "linalg_inv_ex"), F, ops=("inverse",)),
   *named_op_rows(F, "linalg_solve", "linalg_tensorinv", "linalg_tensorsolve"),
-  Row(("qr", "linalg_qr", "geqrf"), F, primitives=(p.qr_p, p.geqrf_p, p.geqp3_p)),
-  Row(("orgqr", "linalg_householder_product"), F, primitives=(p.householder_product_p,)),
-  Row(("ormqr",), F, primitives=(p.ormqr_p,)),
+  Row(("qr", "linalg_qr", "geqrf"), F, primitives=(prims.qr_p, prims.geqrf_p, prims.geqp3_p)),
+  Row(("orgqr", "linalg_householder_product"), F, primitives=(prims.householder_product_p,)),
+  Row(("ormqr",), F, primitives=(prims.ormqr_p,)),
   Row(
     ("svd", "linalg_svd", "linalg_svdvals", "linalg_matrix_rank", "linalg_cond"),
     F,
-    primitives=(p.svd_p,),
+    primitives=(prims.svd_p,),
   ),
   *named_op_rows(F, "pinverse", "linalg_lstsq"),
-  Row(("linalg_eigh", "linalg_eigvalsh"), F, primitives=(p.eigh_p,)),
-  Row(("linalg_eig", "linalg_eigvals"), F, primitives=(p.eig_p,)),
+  Row(("linalg_eigh", "linalg_eigvalsh"), F, primitives=(prims.eigh_p,)),
+  Row(("linalg_eig", "linalg_eigvals"), F, primitives=(prims.eig_p,)),
   Row(
     (
       "fft_fft",
@@ -100,10 +100,14 @@ ROWS = (
       "stft",
     ),
     F,
-    primitives=(p.fft_p,),
+    primitives=(prims.fft_p,),
   ),
-  Row(("avg_pool3d", "adaptive_avg_pool3d"), F, primitives=(Variant(p.reduce_window_sum_p, "3d"),)),
-  Row(("max_pool3d", "adaptive_max_pool3d"), F, primitives=(Variant(p.reduce_window_max_p, "3d"),)),
+  Row(
+    ("avg_pool3d", "adaptive_avg_pool3d"), F, primitives=(Variant(prims.reduce_window_sum_p, "3d"),)
+  ),
+  Row(
+    ("max_pool3d", "adaptive_max_pool3d"), F, primitives=(Variant(prims.reduce_window_max_p, "3d"),)
+  ),
   # --- float32: composites ---------------------------------------------------------------------
   Row(("trace",), F, ops=("trace",)),
   *shared.COMPLEX_IN_FLOAT32,
@@ -204,11 +208,11 @@ ROWS = (
     ),
   ),
   # A 1-D by 1-D dot_general is torch's dot / vdot; bilinear runs its own (_trilinear) kernel.
-  Row(("dot", "vdot"), N, primitives=(Variant(p.dot_general_p, "vector"),)),
+  Row(("dot", "vdot"), N, primitives=(Variant(prims.dot_general_p, "vector"),)),
   Row(("bilinear",), N, ops=("bilinear",)),
   # --- promote to the widest input type -------------------------------------------------------
-  Row(("cat", "stack"), P, primitives=(p.concatenate_p,)),
-  Row(("index_copy",), P, primitives=(p.scatter_p,)),
+  Row(("cat", "stack"), P, primitives=(prims.concatenate_p,)),
+  Row(("index_copy",), P, primitives=(prims.scatter_p,)),
 )
 
 # The linear algebra torch's CPU list does not name (schur, hessenberg, tridiagonal_solve, ...):

@@ -10,7 +10,7 @@ from jaxamp._src import compat
 from jaxamp._src.policies import shared
 from jaxamp._src.policies.table import Category, Row, Table, Variant, named_op_rows
 
-p = compat.primitives
+prims = compat.primitives
 
 L, F, P, N, X = (
   Category.LOWER,
@@ -42,37 +42,39 @@ ROWS = (
       "RNNCell",
     ),
     L,
-    primitives=(p.dot_general_p,),
+    primitives=(prims.dot_general_p,),
   ),
   *shared.GROUPED_MATMUL,
   Row(
     ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
     L,
-    primitives=(p.conv_general_dilated_p,),
+    primitives=(prims.conv_general_dilated_p,),
   ),
   Row(("prelu",), L, ops=("prelu",)),
   # torch's source lists scaled_dot_product_attention for CUDA too (not in the reference doc).
   Row(("scaled_dot_product_attention",), L, ops=("scaled_dot_product_attention",)),
   # --- float32: primitives ---------------------------------------------------------------------
-  Row(("__pow__", "__rpow__", "pow"), F, primitives=(p.pow_p, p.integer_pow_p, p.square_p)),
-  Row(("__rdiv__", "__rtruediv__", "reciprocal"), F, primitives=(Variant(p.div_p, "rdiv"),)),
-  Row(("acos",), F, primitives=(p.acos_p,)),
-  Row(("asin",), F, primitives=(p.asin_p,)),
-  Row(("cosh",), F, primitives=(p.cosh_p,)),
-  Row(("sinh",), F, primitives=(p.sinh_p,)),
-  Row(("tan",), F, primitives=(p.tan_p,)),
-  Row(("erfinv",), F, primitives=(p.erf_inv_p,)),
-  Row(("exp",), F, primitives=(p.exp_p,)),
-  Row(("expm1",), F, primitives=(p.expm1_p,)),
-  Row(("log", "log10", "log2"), F, primitives=(p.log_p,)),
-  Row(("log1p",), F, primitives=(p.log1p_p,)),
-  Row(("rsqrt",), F, primitives=(p.rsqrt_p,)),
-  Row(("sum",), F, primitives=(p.reduce_sum_p,), ops=("sum",)),
-  Row(("prod",), F, primitives=(p.reduce_prod_p,), ops=("prod",)),
-  Row(("cumsum",), F, primitives=(p.cumsum_p,), ops=("cumsum",)),
-  Row(("cumprod",), F, primitives=(p.cumprod_p,), ops=("cumprod",)),
+  Row(
+    ("__pow__", "__rpow__", "pow"), F, primitives=(prims.pow_p, prims.integer_pow_p, prims.square_p)
+  ),
+  Row(("__rdiv__", "__rtruediv__", "reciprocal"), F, primitives=(Variant(prims.div_p, "rdiv"),)),
+  Row(("acos",), F, primitives=(prims.acos_p,)),
+  Row(("asin",), F, primitives=(prims.asin_p,)),
+  Row(("cosh",), F, primitives=(prims.cosh_p,)),
+  Row(("sinh",), F, primitives=(prims.sinh_p,)),
+  Row(("tan",), F, primitives=(prims.tan_p,)),
+  Row(("erfinv",), F, primitives=(prims.erf_inv_p,)),
+  Row(("exp",), F, primitives=(prims.exp_p,)),
+  Row(("expm1",), F, primitives=(prims.expm1_p,)),
+  Row(("log", "log10", "log2"), F, primitives=(prims.log_p,)),
+  Row(("log1p",), F, primitives=(prims.log1p_p,)),
+  Row(("rsqrt",), F, primitives=(prims.rsqrt_p,)),
+  Row(("sum",), F, primitives=(prims.reduce_sum_p,), ops=("sum",)),
+  Row(("prod",), F, primitives=(prims.reduce_prod_p,), ops=("prod",)),
+  Row(("cumsum",), F, primitives=(prims.cumsum_p,), ops=("cumsum",)),
+  Row(("cumprod",), F, primitives=(prims.cumprod_p,), ops=("cumprod",)),
   # logcumsumexp is not in the reference list, but is the cumulative form of exp+sum.
-  Row(("logcumsumexp",), F, primitives=(p.cumlogsumexp_p,)),
+  Row(("logcumsumexp",), F, primitives=(prims.cumlogsumexp_p,)),
   # --- float32: composites ---------------------------------------------------------------------
   # logsumexp is in torch's CUDA float32 source list (AT_FORALL_FP32), not the reference doc.
   Row(("logsumexp",), F, ops=("logsumexp",)),
@@ -114,16 +116,16 @@ ROWS = (
     "triplet_margin_loss",
   ),
   # --- promote to the widest input type -------------------------------------------------------
-  Row(("atan2",), P, primitives=(p.atan2_p,)),
+  Row(("atan2",), P, primitives=(prims.atan2_p,)),
   Row(
     ("addcdiv", "addcmul", "cross", "tensordot", "bilinear"),
     P,
     ops=("addcdiv", "addcmul", "cross", "tensordot", "bilinear"),
   ),
   # A 1-D by 1-D dot_general is torch's dot / vdot (jnp.dot, jnp.vdot).
-  Row(("dot", "vdot"), P, primitives=(Variant(p.dot_general_p, "vector"),)),
-  Row(("scatter_add",), P, primitives=(p.scatter_add_p,)),
-  Row(("index_put",), P, primitives=(p.scatter_p,)),
+  Row(("dot", "vdot"), P, primitives=(Variant(prims.dot_general_p, "vector"),)),
+  Row(("scatter_add",), P, primitives=(prims.scatter_add_p,)),
+  Row(("index_put",), P, primitives=(prims.scatter_p,)),
   *shared.LINALG_IN_FLOAT32,
   *shared.COMPLEX_IN_FLOAT32,
   *shared.ACCUMULATING_KERNELS,

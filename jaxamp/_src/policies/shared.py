@@ -3,11 +3,11 @@
 from jaxamp._src import compat
 from jaxamp._src.policies.table import NO_16_BIT_KERNELS, Category, Row
 
-p = compat.primitives
+prims = compat.primitives
 
 # lax.ragged_dot (mixture-of-experts grouped matmuls) is a matmul: the low dtype, like
 # dot_general. torch's counterpart, _grouped_mm, is on none of the reference lists.
-GROUPED_MATMUL = (Row(("_grouped_mm",), Category.LOWER, primitives=(p.ragged_dot_general_p,)),)
+GROUPED_MATMUL = (Row(("_grouped_mm",), Category.LOWER, primitives=(prims.ragged_dot_general_p,)),)
 
 
 def linalg_in_float32(besides: tuple[Row, ...] = ()) -> tuple[Row, ...]:
@@ -25,7 +25,7 @@ def linalg_in_float32(besides: tuple[Row, ...] = ()) -> tuple[Row, ...]:
 LINALG_IN_FLOAT32 = linalg_in_float32()
 
 # JAX has no complex32: lax.complex only takes float32/float64 parts.
-COMPLEX_IN_FLOAT32 = (Row(("view_as_complex",), Category.FLOAT32, primitives=(p.complex_p,)),)
+COMPLEX_IN_FLOAT32 = (Row(("view_as_complex",), Category.FLOAT32, primitives=(prims.complex_p,)),)
 
 # Unlisted on CUDA and XPU, their kernels accumulate in float32 and return the input's dtype.
 ACCUMULATING_KERNELS = (

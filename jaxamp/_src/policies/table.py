@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxamp._src import compat
 
-p = compat.primitives
+prims = compat.primitives
 
 
 class Category(enum.Enum):
@@ -77,24 +77,24 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
 # inputs), so all run in float32 rather than fail. torch raises on low-precision linear algebra
 # on CUDA and XPU; on CPU its float32 list names most of them.
 NO_16_BIT_KERNELS = (
-  p.cholesky_p,
-  p.cholesky_update_p,
-  p.eig_p,
-  p.eigh_p,
-  p.geqp3_p,
-  p.geqrf_p,
-  p.hessenberg_p,
-  p.householder_product_p,
-  p.lu_p,
-  p.ormqr_p,
-  p.qr_p,
-  p.schur_p,
-  p.svd_p,
-  p.symmetric_product_p,
-  p.triangular_solve_p,
-  p.tridiagonal_p,
-  p.tridiagonal_solve_p,
-  p.fft_p,
+  prims.cholesky_p,
+  prims.cholesky_update_p,
+  prims.eig_p,
+  prims.eigh_p,
+  prims.geqp3_p,
+  prims.geqrf_p,
+  prims.hessenberg_p,
+  prims.householder_product_p,
+  prims.lu_p,
+  prims.ormqr_p,
+  prims.qr_p,
+  prims.schur_p,
+  prims.svd_p,
+  prims.symmetric_product_p,
+  prims.triangular_solve_p,
+  prims.tridiagonal_p,
+  prims.tridiagonal_solve_p,
+  prims.fft_p,
 )
 
 

@@ -30,7 +30,7 @@ from jaxamp._src import compat
 from jaxamp._src.policies import shared
 from jaxamp._src.policies.table import Category, Row, Table, Variant, named_op_rows
 
-p = compat.primitives
+prims = compat.primitives
 
 L, F, P, N, F_IN = (
   Category.LOWER,
@@ -45,7 +45,7 @@ ROWS = (
   Row(
     ("bmm", "mm", "baddbmm", "addmm", "addbmm", "linear", "matmul", "einsum", "__matmul__"),
     L,
-    primitives=(p.dot_general_p,),
+    primitives=(prims.dot_general_p,),
   ),
   *shared.GROUPED_MATMUL,
   Row(
@@ -59,15 +59,15 @@ ROWS = (
       "conv_transpose3d",
     ),
     L,
-    primitives=(p.conv_general_dilated_p,),
+    primitives=(prims.conv_general_dilated_p,),
   ),
   Row(("prelu",), L, ops=("prelu",)),
   # jax.nn.relu (flax's nn.relu): a max with 0, exact in bfloat16 (the cast is the rounding).
   Row(("relu",), L, ops=("relu",)),
   # Max pooling (lax.reduce_window with max: flax's nn.max_pool, Haiku's, Equinox's) of any rank
   # but 3-D: the primitive does not say 1-D from 2-D, which torch_xla leaves unlisted.
-  Row(("max_pool2d",), L, primitives=(p.reduce_window_max_p,)),
-  Row(("max_pool3d",), N, primitives=(Variant(p.reduce_window_max_p, "3d"),)),
+  Row(("max_pool2d",), L, primitives=(prims.reduce_window_max_p,)),
+  Row(("max_pool3d",), N, primitives=(Variant(prims.reduce_window_max_p, "3d"),)),
   # torch_xla comments scaled_dot_product_attention out ("undefined symbol with official torch
   # whl"), so torch decomposes it on XLA: its matmuls run in bfloat16 and its softmax in float32.
   # It has no row here either: jax.nn.dot_product_attention's dots and softmax follow their rows.
@@ -75,12 +75,12 @@ ROWS = (
   # pow.Tensor_Scalar: x ** 2.0 is integer_pow or square, x ** 1.7 pow with a scalar exponent.
   # pow_p does not say a scalar exponent from a tensor one, so jnp.power(x, y) runs in float32
   # too (torch_xla leaves pow.Tensor_Tensor unlisted).
-  Row(("pow",), F, primitives=(p.pow_p, p.integer_pow_p, p.square_p)),
-  Row(("prod",), F, primitives=(p.reduce_prod_p,), ops=("prod",)),
-  Row(("cholesky", "cholesky_inverse", "cholesky_solve"), F, primitives=(p.cholesky_p,)),
-  Row(("triangular_solve",), F, primitives=(p.triangular_solve_p,)),
-  Row(("qr",), F, primitives=(p.qr_p,)),
-  Row(("svd", "linalg_svd"), F, primitives=(p.svd_p,)),
+  Row(("pow",), F, primitives=(prims.pow_p, prims.integer_pow_p, prims.square_p)),
+  Row(("prod",), F, primitives=(prims.reduce_prod_p,), ops=("prod",)),
+  Row(("cholesky", "cholesky_inverse", "cholesky_solve"), F, primitives=(prims.cholesky_p,)),
+  Row(("triangular_solve",), F, primitives=(prims.triangular_solve_p,)),
+  Row(("qr",), F, primitives=(prims.qr_p,)),
+  Row(("svd", "linalg_svd"), F, primitives=(prims.svd_p,)),
   # --- float32: composites ---------------------------------------------------------------------
   Row(("inverse", "linalg_inv_ex"), F, ops=("inverse",)),
   Row(("trace",), F, ops=("trace",)),
@@ -119,8 +119,8 @@ ROWS = (
   # --- promote to the widest input type -------------------------------------------------------
   # jnp.stack concatenates its expanded inputs. index_put (x.at[i].set) is the same primitive as
   # index_copy, so it promotes too, as on CUDA.
-  Row(("cat", "stack"), P, primitives=(p.concatenate_p,)),
-  Row(("index_copy", "index_put"), P, primitives=(p.scatter_p,)),
+  Row(("cat", "stack"), P, primitives=(prims.concatenate_p,)),
+  Row(("index_copy", "index_put"), P, primitives=(prims.scatter_p,)),
   # --- where JAX decides -----------------------------------------------------------------------
   *shared.COMPLEX_IN_FLOAT32,
   # Reductions and norms torch_xla leaves unlisted return their input's dtype. jnp.mean and
@@ -180,7 +180,7 @@ ROWS = (
     ),
   ),
   # A 1-D by 1-D dot_general is torch's dot / vdot, which torch_xla leaves unlisted.
-  Row(("dot", "vdot"), N, primitives=(Variant(p.dot_general_p, "vector"),)),
+  Row(("dot", "vdot"), N, primitives=(Variant(prims.dot_general_p, "vector"),)),
 )
 
 # The linear algebra and fft torch_xla's list does not name (commented out there, or never on

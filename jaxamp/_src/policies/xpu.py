@@ -11,7 +11,7 @@ from jaxamp._src import compat
 from jaxamp._src.policies import shared
 from jaxamp._src.policies.table import Category, Row, Table, Variant, named_op_rows
 
-p = compat.primitives
+prims = compat.primitives
 
 L, F, P, N = Category.LOWER, Category.FLOAT32, Category.PROMOTE, Category.NATIVE
 
@@ -36,22 +36,24 @@ ROWS = (
       "RNNCell",
     ),
     L,
-    primitives=(p.dot_general_p,),
+    primitives=(prims.dot_general_p,),
   ),
   *shared.GROUPED_MATMUL,
   Row(
     ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
     L,
-    primitives=(p.conv_general_dilated_p,),
+    primitives=(prims.conv_general_dilated_p,),
   ),
   # --- float32: primitives ---------------------------------------------------------------------
-  Row(("__pow__", "__rpow__", "pow"), F, primitives=(p.pow_p, p.integer_pow_p, p.square_p)),
-  Row(("__rdiv__", "__rtruediv__", "reciprocal"), F, primitives=(Variant(p.div_p, "rdiv"),)),
-  Row(("exp",), F, primitives=(p.exp_p,)),
-  Row(("log",), F, primitives=(p.log_p,)),
-  Row(("rsqrt",), F, primitives=(p.rsqrt_p,)),
-  Row(("sum",), F, primitives=(p.reduce_sum_p,), ops=("sum",)),
-  Row(("cumsum",), F, primitives=(p.cumsum_p,), ops=("cumsum",)),
+  Row(
+    ("__pow__", "__rpow__", "pow"), F, primitives=(prims.pow_p, prims.integer_pow_p, prims.square_p)
+  ),
+  Row(("__rdiv__", "__rtruediv__", "reciprocal"), F, primitives=(Variant(prims.div_p, "rdiv"),)),
+  Row(("exp",), F, primitives=(prims.exp_p,)),
+  Row(("log",), F, primitives=(prims.log_p,)),
+  Row(("rsqrt",), F, primitives=(prims.rsqrt_p,)),
+  Row(("sum",), F, primitives=(prims.reduce_sum_p,), ops=("sum",)),
+  Row(("cumsum",), F, primitives=(prims.cumsum_p,), ops=("cumsum",)),
   # --- float32: composites ---------------------------------------------------------------------
   *named_op_rows(
     F,
@@ -79,9 +81,9 @@ ROWS = (
   # --- promote to the widest input type -------------------------------------------------------
   Row(("bilinear", "cross", "tensordot"), P, ops=("bilinear", "cross", "tensordot")),
   # A 1-D by 1-D dot_general is torch's dot / vdot, which XPU leaves unlisted.
-  Row(("dot", "vdot"), N, primitives=(Variant(p.dot_general_p, "vector"),)),
-  Row(("scatter_add",), P, primitives=(p.scatter_add_p,)),
-  Row(("index_put",), P, primitives=(p.scatter_p,)),
+  Row(("dot", "vdot"), N, primitives=(Variant(prims.dot_general_p, "vector"),)),
+  Row(("scatter_add",), P, primitives=(prims.scatter_add_p,)),
+  Row(("index_put",), P, primitives=(prims.scatter_p,)),
   *shared.LINALG_IN_FLOAT32,
   *shared.COMPLEX_IN_FLOAT32,
   *shared.ACCUMULATING_KERNELS,

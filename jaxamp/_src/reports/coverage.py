@@ -116,7 +116,7 @@ def coverage(device_type: str, torch_op: str) -> str:
   table = policy.get_table(device_type)
   for row in table.rows:
     if torch_op in row.torch_ops:
-      parts = [f"primitive `{p}`" for p in row.primitives]
+      parts = [f"primitive `{primitive}`" for primitive in row.primitives]
       parts += [f"op region `{o}`" for o in row.ops if o not in NATIVE_PROMOTION]
       if torch_op in NATIVE_PROMOTION:
         parts.append("native promotion of its elementwise primitives")

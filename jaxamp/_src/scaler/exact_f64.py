@@ -107,19 +107,23 @@ def mul_f32_f64(x: jax.Array, factor_limbs: jax.Array, factor_exp: jax.Array) ->
   a = (m & 0xFFF, m >> 12)
   f = [factor_limbs[i] for i in range(5)]
   columns = [a[0] * f[0]] + [a[0] * f[k] + a[1] * f[k - 1] for k in range(1, 5)] + [a[1] * f[4]]
-  p, carry = [], _u32(0)
+  product, carry = [], _u32(0)
   for c in columns:  # every column < 2**26
     c = c + carry
-    p.append(c & 0xFFF)
+    product.append(c & 0xFFF)
     carry = c >> 12
-  p.append(carry)
+  product.append(carry)
   # The product is in [2**75, 2**77): shift it left once where bit 76 is clear.
-  s = _u32(1) - ((p[6] >> 4) & 1)
-  p = [((p[i] << s) & 0xFFF) | ((p[i - 1] >> (_u32(12) - s)) if i else 0) for i in range(7)]
+  s = _u32(1) - ((product[6] >> 4) & 1)
+  product = [
+    ((product[i] << s) & 0xFFF) | ((product[i - 1] >> (_u32(12) - s)) if i else 0) for i in range(7)
+  ]
   # float64 keeps bits 24..76; bit 23 is the guard bit.
-  lo = p[2] | (p[3] << 12) | ((p[4] & 0x1F) << 24)
-  hi = (p[4] >> 5) | (p[5] << 7) | (p[6] << 19)
-  hi, lo = _round_half_even(hi, lo, (p[1] >> 11) & 1, ((p[1] & 0x7FF) | p[0]) != 0)
+  lo = product[2] | (product[3] << 12) | ((product[4] & 0x1F) << 24)
+  hi = (product[4] >> 5) | (product[5] << 7) | (product[6] << 19)
+  hi, lo = _round_half_even(
+    hi, lo, (product[1] >> 11) & 1, ((product[1] & 0x7FF) | product[0]) != 0
+  )
   y = _assemble_f32(*_f64_to_f32(hi, lo, e + factor_exp - s.astype(jnp.int32) + 24))
   special = (x == 0) | ~jnp.isfinite(x)  # 0 * f, inf * f and nan * f are x itself (f > 0)
   return jnp.where(special, x, _with_sign_of(y, x))

@@ -230,8 +230,9 @@ def _found_inf(grads: Any, axis_name: Any) -> jax.Array:
 
 
 def _no_op_update(shape: Any) -> jax.Array:
-  """The update of a skipped step: -0.0, for ``p + -0.0`` is ``p`` bit for bit (``+0.0`` would
-  turn a ``-0.0`` parameter into ``+0.0``). Varying over the manual axes ``shape`` varies over."""
+  """The update of a skipped step: -0.0, for ``param + -0.0`` is ``param`` bit for bit (``+0.0``
+  would turn a ``-0.0`` parameter into ``+0.0``). Varying over the manual axes ``shape`` varies
+  over."""
   if jnp.issubdtype(shape.dtype, jnp.inexact):
     update = jnp.full(shape.shape, -0.0, shape.dtype)
   else:

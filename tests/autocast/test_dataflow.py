@@ -1,0 +1,289 @@
+"""``dataflow`` on hand-built jaxprs: where values come from (``Provenance``: parameters,
+activations, computed values, Python scalars and fills), which casts saturate, what each dim of
+a value varies along (``layout_dims``, ``matmul_dims``) and when an addend is a matmul's bias
+(``is_bias_of``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._src import compat
+from jaxamp._src.autocast import dataflow
+
+OWN, OTHER, LHS, RHS, NOWHERE = (
+  dataflow.OWN,
+  dataflow.OTHER,
+  dataflow.LHS,
+  dataflow.RHS,
+  dataflow.NOWHERE,
+)
+
+
+X, W, B = jnp.ones((4, 8)), jnp.ones((8, 5)), jnp.ones((5,))
+
+
+def only_eqn(fun, *args):
+  (eqn,) = jax.make_jaxpr(fun)(*args).jaxpr.eqns
+  return eqn
+
+
+def facts_of(fun, *args):
+  """``fun``'s jaxpr and the provenance of its values, gathered as the interpreter does (every
+  dot a low-precision matmul)."""
+  jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
+  facts = dataflow.Provenance()
+  facts.activations.update(dataflow.activation_reads(jaxpr))
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is compat.primitives.dot_general_p:
+      facts.note_matmul(eqn)
+    facts.note_weak_flow(eqn)
+    facts.note(eqn)
+  return jaxpr, facts
+
+
+def eqn_named(jaxpr, name):
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == name]
+  return eqn
+
+
+# --- activation_reads -----------------------------------------------------------------------------
+
+
+def test_the_operands_of_a_dot_are_activations_and_its_bias_is_not():
+  jaxpr = jax.make_jaxpr(lambda x, w, b: x @ w + b)(X, W, B).jaxpr
+  x, w, b = jaxpr.invars
+  assert dataflow.activation_reads(jaxpr) == {x, w}
+  assert b not in dataflow.activation_reads(jaxpr)
+
+
+def test_a_value_read_through_a_layout_change_is_read_at_its_root():
+  jaxpr = jax.make_jaxpr(lambda x, v: x * v.reshape(1, 8))(X, jnp.ones(8)).jaxpr
+  assert jaxpr.invars[1] in dataflow.activation_reads(jaxpr)
+
+
+def test_a_value_a_sub_jaxpr_only_adds_is_not_an_activation():
+  jaxpr = jax.make_jaxpr(lambda x, b: jax.jit(lambda x, b: x + b)(x, b))(X, jnp.ones(8)).jaxpr
+  assert dataflow.activation_reads(jaxpr) == set()
+
+
+def test_a_value_a_sub_jaxpr_computes_with_is_an_activation():
+  jaxpr = jax.make_jaxpr(lambda x, v: x + jax.jit(lambda v: v * 2.0)(v))(X, jnp.ones(8)).jaxpr
+  assert dataflow.activation_reads(jaxpr) == {jaxpr.invars[1]}
+
+
+def test_a_bodys_activations_are_computed_once_per_jaxpr():
+  jaxpr = jax.make_jaxpr(lambda x, w: x @ w)(X, W).jaxpr
+  assert dataflow.body_activations(jaxpr) is dataflow.body_activations(jaxpr)
+
+
+# --- Provenance: parameters, computed values, roots -----------------------------------------------
+
+
+def test_a_layout_change_and_a_cast_keep_their_inputs_root():
+  jaxpr, facts = facts_of(lambda b: b.astype(jnp.bfloat16).reshape(1, 5), B)
+  (b,) = jaxpr.invars
+  assert [facts.root(eqn.outvars[0]) for eqn in jaxpr.eqns] == [b, b]
+
+
+def test_an_added_parameter_is_a_parameter_through_its_broadcast():
+  jaxpr, facts = facts_of(lambda x, w, b: x @ w + b, X, W, B)
+  broadcast = eqn_named(jaxpr, "broadcast_in_dim").outvars[0]
+  assert facts.is_parameter(jaxpr.invars[2]) and facts.is_parameter(broadcast)
+
+
+def test_an_input_read_by_a_dot_is_not_a_parameter():
+  jaxpr, facts = facts_of(lambda x, w: x + x @ w[:, :8].T, X, jnp.ones((8, 8)))
+  assert not facts.is_parameter(jaxpr.invars[0])  # x + W @ x: a residual, not a bias
+
+
+def test_a_computed_value_is_computed_and_not_a_parameter():
+  jaxpr, facts = facts_of(lambda x: jnp.exp(x), X)
+  (out,) = jaxpr.outvars
+  assert facts.is_computed(out) and not facts.is_parameter(out)
+
+
+def test_inputs_and_literals_are_not_computed():
+  jaxpr, facts = facts_of(lambda x: x * 2.0, X)
+  (mul,) = jaxpr.eqns
+  assert not facts.is_computed(mul.invars[0]) and not facts.is_computed(mul.invars[1])
+
+
+def test_a_layout_change_of_a_low_precision_matmuls_output_stays_low():
+  jaxpr, facts = facts_of(lambda x, w: (x @ w).T, X, W)
+  assert facts.lowered == {eqn.outvars[0] for eqn in jaxpr.eqns}
+
+
+def test_a_matmuls_output_varies_along_its_operands_free_dims_through_a_transpose():
+  jaxpr, facts = facts_of(lambda x, w: (x @ w).T, X, W)
+  assert facts.dims_of(jaxpr.outvars[0]) == (RHS, LHS)
+
+
+def test_a_value_of_no_recorded_dims_varies_along_its_own_dims_but_unit_ones():
+  jaxpr, facts = facts_of(lambda x: x, jnp.ones((4, 1, 3)))
+  assert facts.dims_of(jaxpr.invars[0]) == (OWN, NOWHERE, OWN)
+
+
+# --- Provenance: Python scalars, fills, saturating casts ------------------------------------------
+
+
+def test_a_broadcast_literal_is_a_fill_and_weak():
+  jaxpr, facts = facts_of(lambda x: jnp.maximum(x, jnp.zeros_like(x)), X)
+  fill = eqn_named(jaxpr, "broadcast_in_dim").outvars[0]
+  assert fill in facts.fills and facts.is_weak(fill)
+
+
+def test_a_layout_change_of_a_fill_is_weak():
+  jaxpr, facts = facts_of(lambda x: x + jnp.zeros((8, 4)).T, X)
+  assert facts.is_weak(eqn_named(jaxpr, "transpose").outvars[0])
+
+
+def test_a_rank_0_array_is_weak_as_torchs_0_dim_tensors():
+  jaxpr, facts = facts_of(lambda x, s: x * s, X, jnp.float32(2.0))
+  assert facts.is_weak(jaxpr.invars[1])
+
+
+def test_a_python_float_passed_in_is_weak():
+  jaxpr, facts = facts_of(lambda x, s: x * s, X, 3.0)
+  assert jaxpr.invars[1].aval.weak_type and facts.is_weak(jaxpr.invars[1])
+
+
+def test_an_array_passed_in_is_not_weak():
+  jaxpr, facts = facts_of(lambda x: x * 2.0, X)
+  assert not facts.is_weak(jaxpr.invars[0])
+
+
+def test_a_literal_is_weak():
+  jaxpr, facts = facts_of(lambda x: x * 2.0, X)
+  assert facts.is_weak(jaxpr.eqns[0].invars[1])
+
+
+def test_a_broadcast_of_a_rank_0_value_is_weak():
+  jaxpr, facts = facts_of(lambda x, s: x * jnp.broadcast_to(s, (4, 8)), X, jnp.float32(2.0))
+  assert facts.is_weak(eqn_named(jaxpr, "broadcast_in_dim").outvars[0])
+
+
+def test_a_value_is_weak_when_its_runtime_value_is_weakly_typed():
+  jaxpr, facts = facts_of(lambda x: x, X)
+  (x,) = jaxpr.invars
+  assert not facts.is_weak(x) and facts.is_weak(x, jnp.asarray(1.0))  # a weakly typed value
+
+
+def test_a_cast_of_a_fill_saturates():
+  jaxpr, facts = facts_of(lambda x: x + jnp.full((4, 8), -3e38), X)
+  assert facts.saturates(eqn_named(jaxpr, "broadcast_in_dim").outvars[0])
+
+
+def test_a_cast_of_a_computed_scalar_does_not_saturate():
+  jaxpr, facts = facts_of(lambda x: x / jnp.sum(x), X)
+  total = eqn_named(jaxpr, "reduce_sum").outvars[0]
+  assert facts.is_weak(total) and not facts.saturates(total)  # it overflows, as in torch
+
+
+def test_a_cast_of_an_activation_does_not_saturate():
+  jaxpr, facts = facts_of(lambda x: x * 2.0, X)
+  assert not facts.saturates(jaxpr.invars[0])
+
+
+def test_the_constant_of_a_literal_is_its_value():
+  jaxpr, facts = facts_of(lambda x: x * 2.0, X)
+  assert facts.constant(jaxpr.eqns[0].invars[1]) == 2.0
+
+
+def test_a_rank_0_input_has_the_constant_given_for_it_through_a_cast():
+  jaxpr, facts = facts_of(lambda x, s: x * s, X, 2.0)
+  facts.constants[jaxpr.invars[1]] = 2.0
+  convert = eqn_named(jaxpr, "convert_element_type")
+  assert facts.constant(convert.outvars[0]) == 2.0
+
+
+def test_an_array_has_no_constant():
+  jaxpr, facts = facts_of(lambda x: x * 2.0, X)
+  assert facts.constant(jaxpr.invars[0]) is None
+
+
+def test_the_carried_facts_are_those_of_the_atoms_alone():
+  jaxpr, facts = facts_of(lambda x, w, b: (x @ w + b, jnp.zeros((3,))), X, W, B)
+  out = jaxpr.eqns[0].outvars[0]  # the dot's output
+  fill = jaxpr.outvars[1]
+  carried = facts.carried([out])
+  assert carried.lowered == {out} and carried.dims == {out: (LHS, RHS)}
+  assert fill in facts.fills and not carried.fills and not carried.weak
+
+
+def test_the_carried_facts_keep_an_atoms_root():
+  jaxpr, facts = facts_of(lambda b: b.reshape(1, 5) * 2.0, B)
+  reshaped = eqn_named(jaxpr, "reshape").outvars[0]
+  assert facts.carried([reshaped]).root(reshaped) is jaxpr.invars[0]
+
+
+def test_is_weak_atom_needs_no_provenance():
+  jaxpr = jax.make_jaxpr(lambda x, s: x * s)(X, np.float32(2.0)).jaxpr
+  x, s = jaxpr.invars
+  assert dataflow.is_weak_atom(s) and not dataflow.is_weak_atom(x)
+
+
+# --- what each dim varies along -------------------------------------------------------------------
+
+
+def test_a_transpose_moves_the_dims():
+  eqn = only_eqn(lambda x: x.T, jnp.ones((2, 3)))
+  assert dataflow.layout_dims(eqn, (LHS, RHS)) == (RHS, LHS)
+
+
+def test_a_broadcasts_new_and_stretched_dims_vary_along_nothing():
+  eqn = only_eqn(lambda b: lax.broadcast_in_dim(b, (5, 3, 4), (0, 1)), jnp.ones((1, 3)))
+  assert dataflow.layout_dims(eqn, (NOWHERE, OWN)) == (NOWHERE, OWN, NOWHERE)
+
+
+def test_a_reshape_merging_dims_unites_what_they_vary_along():
+  eqn = only_eqn(lambda x: x.reshape(6, 4), jnp.ones((2, 3, 4)))
+  assert dataflow.layout_dims(eqn, (OTHER, LHS, RHS)) == (OTHER | LHS, RHS)
+
+
+def test_a_reshape_splitting_a_dim_shares_it():
+  eqn = only_eqn(lambda x: x.reshape(2, 3, 4), jnp.ones((6, 4)))
+  assert dataflow.layout_dims(eqn, (LHS, RHS)) == (LHS, LHS, RHS)
+
+
+def test_a_reshape_adding_unit_dims_leaves_them_varying_along_nothing():
+  eqn = only_eqn(lambda x: x.reshape(1, 4, 1), jnp.ones((4,)))
+  assert dataflow.layout_dims(eqn, (OWN,)) == (NOWHERE, OWN, NOWHERE)
+
+
+def test_a_squeeze_drops_the_dims():
+  eqn = only_eqn(lambda x: x.squeeze(0), jnp.ones((1, 4)))
+  assert dataflow.layout_dims(eqn, (NOWHERE, RHS)) == (RHS,)
+
+
+def test_a_squeeze_of_a_negative_dim_drops_it_counted_from_the_end():
+  eqn = only_eqn(lambda x: lax.squeeze(x, (-1,)), jnp.ones((4, 1)))
+  assert dataflow.layout_dims(eqn, (LHS, NOWHERE)) == (LHS,)
+
+
+def test_a_cast_keeps_the_dims():
+  eqn = only_eqn(lambda x: x.astype(jnp.bfloat16), jnp.ones((4, 5)))
+  assert dataflow.layout_dims(eqn, (LHS, RHS)) == (LHS, RHS)
+
+
+def test_a_dots_output_dims_are_batch_then_lhs_then_rhs_free_dims():
+  eqn = only_eqn(
+    lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k), jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4))
+  )
+  assert dataflow.matmul_dims(eqn) == (OTHER, LHS, RHS)
+
+
+def test_a_convs_output_features_come_from_the_kernel():
+  eqn = only_eqn(
+    lambda x, k: lax.conv(x, k, (1, 1), "SAME"), jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3))
+  )
+  assert dataflow.matmul_dims(eqn) == (OTHER, RHS, OTHER, OTHER)
+
+
+def test_a_bias_varies_along_one_operands_free_dims_only():
+  out = (OTHER, LHS, RHS)
+  assert dataflow.is_bias_of(out, (NOWHERE, NOWHERE, OWN))
+  assert dataflow.is_bias_of(out, (NOWHERE, OWN, NOWHERE))
+  assert dataflow.is_bias_of(out, (NOWHERE, NOWHERE, NOWHERE))  # a scalar
+  assert not dataflow.is_bias_of(out, (NOWHERE, OWN, OWN))  # a mask over queries and keys
+  assert not dataflow.is_bias_of(out, (OWN, NOWHERE, OWN))  # a mask over the batch
