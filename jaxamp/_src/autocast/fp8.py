@@ -29,13 +29,13 @@ import numpy as np
 
 from jaxamp._src import caches, compat
 
-p = compat.primitives
+prims = compat.primitives
 FLOAT32 = jnp.dtype(jnp.float32)
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # forward operands: 3 mantissa bits, max 448
 E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients: 2 mantissa bits, max 57344
 # The matmuls quantized (``ragged_dot_general``, a grouped matmul, is not: XLA has no float8
 # grouped gemm).
-MATMULS = frozenset({p.dot_general_p, p.conv_general_dilated_p})
+MATMULS = frozenset({prims.dot_general_p, prims.conv_general_dilated_p})
 
 
 def amax(x) -> jax.Array:
