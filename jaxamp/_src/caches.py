@@ -66,6 +66,16 @@ def _on_death(ref: _Ref) -> None:
     cache._object_died(ref)
 
 
+def primitive_key(primitive, params: dict, *rest: Hashable) -> Hashable | None:
+  """``(primitive, its params, *rest)`` as a cache key; None where a param is unhashable."""
+  key = (primitive, tuple(sorted(params.items())), *rest)
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
 def key_part(x: Any, by_identity: bool = False) -> Hashable:
   """``x`` as part of a cache key that does not keep ``x`` alive.
 

@@ -20,7 +20,7 @@ the product, non-finite, so the loss scaler still sees an overflow.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -73,20 +73,11 @@ def bind(eqn, values: Sequence[Any], out_dtype: np.dtype) -> list[Any]:
   ``out_dtype`` result, through a ``jax.custom_vjp`` cached per signature."""
   params = dict(eqn.params, preferred_element_type=jnp.dtype(out_dtype))
   dtypes = tuple(jnp.dtype(compat.typeof(v).dtype) for v in values)
-  key = _key(eqn.primitive, params, dtypes)
+  key = caches.primitive_key(eqn.primitive, params, dtypes)
   fun = _matmul(eqn.primitive, params, dtypes) if key is None else _cached_matmul(key)
   if key is not None and compat.linearizing(values):  # linearized once per signature
     fun = compat.staged(("fp8", key), lambda: fun)
   return [compat.bind_like(eqn, fun, values)]
-
-
-def _key(primitive, params: dict, dtypes: tuple) -> Hashable | None:
-  key = (primitive, tuple(sorted(params.items())), dtypes)
-  try:
-    hash(key)
-  except TypeError:
-    return None
-  return key
 
 
 @caches.lru_cache("fp8.matmuls", maxsize=1024)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -101,7 +101,7 @@ def _bind(eqn, env: Env, invals: Sequence[Any], params: dict | None) -> list[Any
   params = dict(eqn.params if params is None else params)
   cast = tuple(high is not None for high in highs)
   args = [*invals, *[high for high in highs if high is not None]]
-  key = _key(eqn.primitive, params, cast)
+  key = caches.primitive_key(eqn.primitive, params, cast)
   if key is None:
     fun = _custom_jvp(eqn.primitive, params, cast)
   else:
@@ -109,15 +109,6 @@ def _bind(eqn, env: Env, invals: Sequence[Any], params: dict | None) -> list[Any
     if compat.linearizing(args):  # linearized once per signature, as compat.bind does
       fun = compat.staged(("weight_grads", key), lambda: fun)
   return [compat.bind_like(eqn, fun, args)]
-
-
-def _key(primitive, params: dict, cast: tuple[bool, ...]) -> Hashable | None:
-  key = (primitive, tuple(sorted(params.items())), cast)
-  try:
-    hash(key)
-  except TypeError:
-    return None
-  return key
 
 
 @caches.lru_cache("weight_grads.custom_jvps", maxsize=1024)
