@@ -60,6 +60,7 @@ def arrays(tree) -> list:
 # --- the model keeps the submodule's arrays ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_model_keeps_as_many_arrays():
   model = new_model()
   assert len(arrays(with_autocast_mlp(model))) == len(arrays(model)) == 8
@@ -88,6 +89,7 @@ def test_tree_map_rebuilds_a_callable_wrapper_around_new_leaves():
 # --- training ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_weight_gets_a_nonzero_float32_gradient():
   grads = eqx.filter_grad(loss)(with_autocast_mlp(new_model()))
   leaves = arrays(grads)

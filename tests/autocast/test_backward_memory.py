@@ -71,6 +71,7 @@ def test_softmax_keeps_no_float32_activation_for_the_backward(name):
   assert any(r.dtype == jnp.bfloat16 and r.shape == shape for r in residuals)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_recomputed_softmax_gives_the_gradients_of_its_float32_inside(name):
   # The same program written out: the op on the 16-bit input computed in float32, cast back.
@@ -92,6 +93,7 @@ def test_recomputed_softmax_gives_the_gradients_of_its_float32_inside(name):
   np.testing.assert_array_equal(ours, jax.grad(by_hand)(W))
 
 
+@pytest.mark.slow
 def test_recomputed_softmax_supports_forward_mode_differentiation():
   loss = loss_of(attention_probs)
   _, tangent = jax.jvp(loss, (W,), (jnp.ones_like(W),))

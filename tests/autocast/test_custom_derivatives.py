@@ -396,6 +396,7 @@ def test_optimistix_solution(kind, device_type):
   assert_close(actual, solve(W4, B4), device_type)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,device_type", SOLVERS)
 def test_optimistix_implicit_gradient(kind, device_type):
   """The gradient through the solution, by implicit differentiation (optimistix's default

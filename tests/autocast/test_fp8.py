@@ -98,6 +98,7 @@ def test_scales_are_float32():
   assert {outs for _, outs in dtypes_of(jaxpr, "reduce_max")} == {(F32,)}
 
 
+@pytest.mark.slow
 def test_forward_is_close_to_float32():
   out = fp8_autocast(mlp)(PARAMS, X)
   assert out.dtype == F32  # softmax's float32
@@ -129,6 +130,7 @@ def test_explicit_precision_is_not_quantized():
   assert converts_to(jaxpr, E4M3) == 0
 
 
+@pytest.mark.slow
 def test_convolutions_are_quantized():
   f = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
   x, w = normal(0, (2, 3, 8, 8)), normal(1, (4, 3, 3, 3), 0.3)
@@ -146,6 +148,7 @@ def test_gradients_quantize_the_cotangent_to_e5m2():
   assert not matmuls_without_float8_operands(jaxpr)
 
 
+@pytest.mark.slow
 def test_float32_parameters_get_float32_gradients_from_a_float32_dot():
   jaxpr = traced(jax.grad(fp8_autocast(mlp_loss)), PARAMS, X)
   weight_grads = [d for d in dtypes_of(jaxpr, "dot_general") if d[1] == (F32,)]
@@ -201,6 +204,7 @@ def test_a_non_finite_cotangent_makes_the_gradients_non_finite():
   assert not np.isfinite(gw).all()
 
 
+@pytest.mark.slow
 def test_the_loss_scaler_skips_a_step_whose_fp8_gradients_overflow():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
   opt_state = tx.init(PARAMS)
@@ -232,6 +236,7 @@ def weighted_sum(fun):
   return lambda w, x, c: jnp.sum(fun(w, x).astype(F32) * c)
 
 
+@pytest.mark.slow
 def test_jit_gives_the_eager_result():
   matmul = fp8_autocast(lambda w, x: x @ w)
   w, x, c = grid(0, (32, 16)), grid(1, (8, 32)), grid(2, (8, 16))
@@ -241,6 +246,7 @@ def test_jit_gives_the_eager_result():
     np.testing.assert_allclose(jitted, eager, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_vmap_scales_each_example_by_its_own_amax():
   f = fp8_autocast(lambda w, x: x @ w)
   xs = normal(5, (3, 32)) * jnp.array([[1.0], [100.0], [0.01]])
@@ -249,6 +255,7 @@ def test_vmap_scales_each_example_by_its_own_amax():
   np.testing.assert_array_equal(np.asarray(batched, np.float32), np.asarray(looped, np.float32))
 
 
+@pytest.mark.slow
 def test_grad_of_vmap_matches_the_loop():
   f = lambda w, x: fp8_autocast(lambda w, x: jnp.tanh(x @ w))(w, x).astype(F32).sum()
   xs = normal(5, (3, 32))
@@ -257,6 +264,7 @@ def test_grad_of_vmap_matches_the_loop():
   np.testing.assert_allclose(batched, looped, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_scan_bodies_run_float8_matmuls():
   def scanned(w, xs):
     return jax.lax.scan(lambda carry, x: (carry, x @ w), None, xs)[1]
@@ -268,6 +276,7 @@ def test_scan_bodies_run_float8_matmuls():
   np.testing.assert_array_equal(fp8_autocast(scanned)(w, xs), looped)
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients():
   grad = jax.grad(fp8_autocast(mlp_loss))
   rematted = jax.grad(fp8_autocast(jax.checkpoint(mlp_loss)))(PARAMS, X)
@@ -292,6 +301,7 @@ def assert_float8_and_close(fun, *args):
   assert relative_error(fp8_autocast(fun)(*args), fun(*args)) < FORWARD_RTOL
 
 
+@pytest.mark.slow
 def test_flax_linen_dense_and_conv():
   class Net(nn.Module):
     @nn.compact
@@ -304,6 +314,7 @@ def test_flax_linen_dense_and_conv():
   assert_float8_and_close(fp8_autocast(Net().apply), variables, x)
 
 
+@pytest.mark.slow
 def test_flax_nnx_linear():
   model = nnx.Sequential(
     nnx.Linear(32, 64, rngs=nnx.Rngs(0)), nnx.gelu, nnx.Linear(64, 8, rngs=nnx.Rngs(1))
@@ -313,6 +324,7 @@ def test_flax_nnx_linear():
   assert_float8_and_close(fp8_autocast(apply), state, X)
 
 
+@pytest.mark.slow
 def test_equinox_vmapped_mlp():
   model = eqx.nn.MLP(32, 8, 64, 2, key=jax.random.key(0))
   params, static = eqx.partition(model, eqx.is_array)
@@ -320,6 +332,7 @@ def test_equinox_vmapped_mlp():
   assert_float8_and_close(fp8_autocast(apply), params, X)
 
 
+@pytest.mark.slow
 def test_haiku_mlp():
   net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([64, 8])(x)))
   params = net.init(jax.random.key(0), X)
@@ -385,6 +398,7 @@ def test_float8_on_ada_hopper_and_blackwell_is_accepted(monkeypatch, capability)
   assert (amp_policy.dtype, amp_policy.matmul_dtype) == (BF16, E4M3)
 
 
+@pytest.mark.slow
 def test_float8_gradients_are_exact_where_float8_is():
   """On values exact in e4m3 (operands) and e5m2 (cotangent) the float8 matmul's gradients are
   float32's: the backward pass is the transpose of the forward, nothing else."""

@@ -253,6 +253,7 @@ def test_weight_gradients_are_the_float32_sums_of_the_16_bit_products(policy):
 # --- the rest of JAX keeps working --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_forward_pass_is_bit_identical_and_adds_no_compiled_ops():
   apply = jax.jit(jaxamp.autocast(NET.apply, device_type="cuda"))
   new, new_hlo = apply(PARAMS, X), apply.lower(PARAMS, X).compile().as_text()
@@ -348,6 +349,7 @@ def test_remat_policies_still_see_the_dots(name):
   assert saved == ([] if name == "save_only_these_names" else dots)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REMAT_POLICIES))
 def test_remat_inside_autocast_gives_the_same_gradients(name):
   plain = jax.grad(loss_of("cuda", Stack()))(STACK_PARAMS, STACK_X)

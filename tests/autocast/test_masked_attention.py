@@ -55,6 +55,7 @@ def test_linen_attention_with_a_padding_mask_is_finite(device_type, dtype):
   value_and_grad_finite(lambda v: jnp.sum(fun(v, X, mask=MASK).astype(jnp.float32)), variables)
 
 
+@pytest.mark.slow
 @policies
 def test_linen_attention_with_a_padding_mask_matches_float32(device_type, dtype):
   module = nn.MultiHeadDotProductAttention(num_heads=2)
@@ -80,6 +81,7 @@ def test_nnx_attention_with_a_padding_mask_is_finite(device_type, dtype):
   value_and_grad_finite(loss, state)
 
 
+@pytest.mark.slow
 @policies
 def test_jax_nn_dot_product_attention_with_a_mask_is_finite(device_type, dtype):
   q = X.reshape(2, 4, 2, 8)
@@ -96,6 +98,7 @@ def hand_written_attention(x, w, mask, fill):
   return jax.nn.softmax(scores, axis=-1) @ x
 
 
+@pytest.mark.slow
 @policies
 @pytest.mark.parametrize("fill", [jnp.finfo(jnp.float32).min, -1e9, -0.7 * 3.4e38])
 def test_hand_written_mask_fill_saturates_to_a_finite_value(device_type, dtype, fill):

@@ -51,6 +51,7 @@ class CrossAttentionNorms(nn.Module):
     return nn.LayerNorm()(queries), nn.LayerNorm()(context)
 
 
+@pytest.mark.slow
 def test_two_linen_layer_norms_in_one_module_are_two_instances():
   module = CrossAttentionNorms()
   variables = module.init(jax.random.key(3), X, Y)

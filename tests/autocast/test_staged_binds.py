@@ -81,6 +81,7 @@ def test_grad_linearizes_each_repeated_operation_once(device_type, monkeypatch):
   assert checkpoints == ((2, 4) if device_type == "cpu" else (0, 0))
 
 
+@pytest.mark.slow
 def test_unstaged_grad_linearizes_every_operation(monkeypatch):
   """The counts above are a real signal: without staging they grow with the depth."""
   _unstaged(monkeypatch)
@@ -97,6 +98,7 @@ def _lowered_text(fun, params) -> str:
   return lowered.as_text(debug_info=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_staged_grad_lowers_to_the_same_program_and_source_lines(device_type, monkeypatch):
   fun, params = _loss_and_params(3, device_type)
@@ -109,6 +111,7 @@ def test_staged_grad_lowers_to_the_same_program_and_source_lines(device_type, mo
   assert "test_staged_binds.py" in texts[0]  # locations are compared, not absent
 
 
+@pytest.mark.slow
 def test_staging_applies_only_while_linearizing():
   fun, params = _loss_and_params(2)
   jaxamp.clear_caches()
@@ -127,6 +130,7 @@ def test_clear_caches_drops_the_staged_functions():
   assert not compat._staged_functions
 
 
+@pytest.mark.slow
 def test_staged_grad_values_equal_unstaged(monkeypatch):
   fun, params = _loss_and_params(2)
   staged = jax.jit(jax.value_and_grad(fun))(params)

@@ -43,6 +43,7 @@ def eqx_forward(model, x, state):
   return model(x, state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device_type,low", POLICIES)
 def test_equinox_state_keeps_its_dtype(device_type, low):
   model, state = spectral_norm()
@@ -88,6 +89,7 @@ class LastHidden(nn.Module):
     return nn.Dense(3)(h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device_type,low", POLICIES)
 def test_linen_mutable_collection_keeps_its_dtype(device_type, low):
   variables = LastHidden().init(jax.random.key(0), X)

@@ -129,6 +129,7 @@ def test_linear_and_conv_outputs_are_low_dtype(mode, device_type, low):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "device_type,low,expected",
   [
@@ -147,6 +148,7 @@ def test_batch_norm_output_keeps_the_low_dtype_of_its_input(device_type, low):
   assert out["batch_norm"].dtype == low
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_outputs_are_close_to_float32(mode, device_type, low):

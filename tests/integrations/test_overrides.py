@@ -107,6 +107,7 @@ def matmuls(decisions, override=...) -> list:
 # --- flax linen: module names ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_linen_module_name_runs_that_module_in_float32():
   decisions = explained(lm1b_loss, *lm1b_args(), overrides={"logitdense": jnp.float32})
   assert matmuls(decisions, "logitdense") == [("logitdense", (F32, F32))]
@@ -139,6 +140,7 @@ def test_a_glob_matches_every_module_it_names():
   assert len(matmuls(decisions, "encoderdecoderblock_*/*")) == 2 * BLOCK_MATMULS
 
 
+@pytest.mark.slow
 def test_a_lower_dtype_runs_a_module_autocast_to_it():
   apply, variables = resnet_apply()
   decisions = explained(apply, variables, IMAGES, overrides={"ResNetBlock_1": jnp.bfloat16})
@@ -162,6 +164,7 @@ def test_a_policy_value_runs_a_module_under_that_policy():
   assert all(d.category == "lower" for d in softmax)
 
 
+@pytest.mark.slow
 def test_an_overridden_model_differentiates_and_its_gradients_keep_their_dtypes():
   params, tokens = lm1b_args()
   loss = jaxamp.autocast(lm1b_loss, device_type="cuda", overrides={"logitdense": jnp.float32})
@@ -173,6 +176,7 @@ def test_an_overridden_model_differentiates_and_its_gradients_keep_their_dtypes(
 # --- Haiku: module names -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_haiku_module_name_runs_that_module_in_its_dtype():
   apply, params, state = haiku_apply()
   decisions = explained(apply, params, state, IMAGES, overrides={"block_group_3": jnp.bfloat16})
@@ -212,6 +216,7 @@ def test_a_named_scope_inside_a_scan_body_is_matched_through_the_scopes_around_i
 # --- Equinox and nnx: module classes -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_equinox_module_class_turns_autocast_off_in_its_calls():
   model = equinox_examples.CNN(jax.random.key(0))
   x, y = jnp.ones((4, 1, 28, 28)), jnp.zeros((4,), jnp.int32)
@@ -222,6 +227,7 @@ def test_an_equinox_module_class_turns_autocast_off_in_its_calls():
   } == {("conv_general_dilated", (F16, F16))}
 
 
+@pytest.mark.slow
 def test_an_nnx_module_class_runs_its_calls_in_float32():
   model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))
   batch = flax_nnx_mnist.get_fake_batch(8)
@@ -242,6 +248,7 @@ def test_an_nnx_attribute_path_runs_that_submodule_in_float32():
   assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}  # conv1, conv2, linear1
 
 
+@pytest.mark.slow
 def test_an_nnx_model_under_overrides_keeps_its_state_updates_and_classes():
   model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))
   batch = flax_nnx_mnist.get_fake_batch(8)
@@ -264,6 +271,7 @@ def test_an_autocast_module_keeps_its_overrides_through_tree_operations():
   assert {i for i, _ in dtypes_of(jaxpr, "conv_general_dilated")} == {(F16_DTYPE, F16_DTYPE)}
 
 
+@pytest.mark.slow
 def test_a_train_step_takes_a_policy_and_overrides():
   params, tokens = lm1b_args()
   state = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
@@ -276,6 +284,7 @@ def test_a_train_step_takes_a_policy_and_overrides():
   assert bool(jnp.isfinite(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_an_nnx_train_step_takes_overrides_by_attribute_path():
   model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))
   opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)

@@ -107,6 +107,7 @@ def test_linen_step_updates_params_and_step_count():
   assert int(new_state.step) == 1 and not leaves_equal(new_state.params, state.params)
 
 
+@pytest.mark.slow
 def test_linen_step_keeps_float32_params():
   state, _ = linen_step(linen_state(scaler()))
   assert {param.dtype for param in jax.tree.leaves(state.params)} == {F32}
@@ -253,6 +254,7 @@ def test_linen_step_runs_without_jit():
   assert int(state.step) == 1 and np.isfinite(metrics["loss"])
 
 
+@pytest.mark.slow
 def test_linen_step_with_multi_steps_updates_once_per_window():
   tx = jaxamp.multi_steps(scaler(init_scale=8.0, growth_interval=1), every_k_schedule=2)
   state = linen_state(tx)

@@ -54,6 +54,7 @@ def test_a_primitive_rule_changes_that_primitive_only():
   assert _out_dtype(lambda x, w: jnp.log1p(x @ w), policy, X, W) == F32
 
 
+@pytest.mark.slow
 def test_a_library_class_rule_changes_its_op_region():
   model = nn.Sequential([nn.Dense(8), nn.LayerNorm()])
   variables = model.init(jax.random.key(0), X)

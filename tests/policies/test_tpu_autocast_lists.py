@@ -260,6 +260,7 @@ def test_entry_values_are_the_controls(key):
   assert_close(autocast_outputs(key), control, rtol)
 
 
+@pytest.mark.slow
 def test_batch_norm_returns_float32_on_tpus():
   # torch_xla's TestOtherOps.test_batch_norm_tpu: BatchNorm2d of a bfloat16 input is float32.
   x = jax.random.normal(jax.random.key(0), (4, 32, 32, 16), jnp.bfloat16)  # NHWC

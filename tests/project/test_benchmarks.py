@@ -121,6 +121,7 @@ def test_gpu_section_says_why_it_was_skipped_on_cpu(quick_report):
   assert "skipped: jax.default_backend() is 'cpu', not 'gpu'." in quick_report
 
 
+@pytest.mark.slow
 def test_the_overrides_benchmark_rates_its_target(capsys):
   from benchmarks import bench_overrides
 

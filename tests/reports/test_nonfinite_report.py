@@ -56,6 +56,7 @@ MIXED = {
 # --- counts --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_counts_nan_posinf_neginf_and_max_finite_per_leaf():
   assert by_path(nonfinite_report(MIXED)) == {
     "nan": (2, 0, 0, 4.0, 4),
@@ -371,6 +372,7 @@ def test_linen_float16_overflow_is_pinned_to_the_layer():
   assert str(report).splitlines()[1].startswith("params/big_in/kernel: ")
 
 
+@pytest.mark.slow
 def test_train_step_metrics_have_no_report_by_default():
   state = TrainState.create(apply_fn=None, params=linen_params(), tx=optax.sgd(0.1))
   _, metrics = jax.jit(jaxamp.make_train_step(linen_loss, device_type="cuda"))(state, (X, Y))

@@ -186,6 +186,7 @@ def test_the_default_table_fits_100_columns():
   assert max(map(len, str(report.where_error_starts()).splitlines())) <= 100
 
 
+@pytest.mark.slow
 def test_the_full_table_adds_name_stacks_runs_and_torch_ops():
   report = jaxamp.precision_report(Mlp().apply, device_type="cuda")(MLP_PARAMS, MLP_X)
   header = report.table(full=True).splitlines()[1].split()

@@ -295,6 +295,7 @@ def test_min_scale_never_raises_a_scale_set_below_it():
   assert state.scale == 2.0
 
 
+@pytest.mark.slow
 def test_default_min_scale_is_none_and_halves_like_torch():
   torch = pytest.importorskip("torch")
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0)
@@ -565,6 +566,7 @@ def _compiled_entry(fun, *args):
   return entry[: entry.index("\n}\n")]
 
 
+@pytest.mark.slow
 def test_finite_steps_do_not_copy_the_weight_moments():
   # The skipped branch of the cond returns the old inner state; returned as it came in, XLA copied
   # every moment before the cond on every step (one more read and write of the state).

@@ -126,6 +126,7 @@ def test_unscale_reduces_found_inf_over_the_scalers_axis_name():
   assert unscale(grads, shared)[0][0].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_unscale_accepts_float16_gradients_which_torch_unscale_refuses():
   # torch's unscale_ raises "Attempting to unscale FP16 gradients." for float16 *parameters*;
   # jaxamp's update has always unscaled float16 gradients in float32, and unscale matches it.
@@ -388,6 +389,7 @@ def replay_script(script):
     assert jaxamp.scaler.is_enabled(state) == expected["is_enabled"], where
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SURFACE_GOLDENS["scripts"], ids=lambda s: s["name"])
 def test_script_replays_torch_state_after_every_operation(script):
   replay_script(script)
