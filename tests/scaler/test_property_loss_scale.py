@@ -340,8 +340,17 @@ def test_storm_trains_like_adam_on_the_finite_steps_alone(storm):
     jax.tree.leaves(at(params, STEPS)), jax.tree.leaves(reference), strict=True
   ):
     np.testing.assert_allclose(
-      ours.astype(np.float32), np.asarray(theirs, np.float32), rtol=1e-5, atol=1e-6
+      ours.astype(np.float32),
+      np.asarray(theirs, np.float32),
+      rtol=RTOL.get(ours.dtype, 1e-5),
+      atol=1e-6,
     )
+
+
+# The reference is one fused kernel: XLA:CPU recomputes a float16 leaf's new moments inside its
+# parameter update in float32 (excess precision) instead of reading them rounded to float16 as
+# the scaler's step does, so after hundreds of steps float16 parameters differ by a few ulps.
+RTOL = {np.dtype(jnp.float16): 4 * float(jnp.finfo(jnp.float16).eps)}
 
 
 # ------------------------------------------------------------------------------------------------
