@@ -53,7 +53,9 @@ def loss_fn(gemma):
   logits = logits_fn(gemma)
 
   def loss(params, tokens, mask):
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits(params, tokens, mask), tokens)
+    per_token = optax.softmax_cross_entropy_with_integer_labels(
+      logits(params, tokens, mask), tokens
+    )
     return (per_token * mask).sum() / mask.sum()
 
   return loss
