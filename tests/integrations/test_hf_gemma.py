@@ -70,7 +70,7 @@ def dots(gemma, **options) -> collections.Counter:
   )
 
 
-@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+@pytest.mark.parametrize("device_type", [pytest.param("cuda", marks=pytest.mark.slow), "cpu"])
 def test_left_padded_rows_give_finite_logits_close_to_float32(gemma, device_type):
   reference = logits_fn(gemma)(gemma.params, TOKENS, MASK)
   logits = jaxamp.autocast(logits_fn(gemma), device_type=device_type)(gemma.params, TOKENS, MASK)
