@@ -147,7 +147,20 @@ def bind(eqn, invals: Sequence[Any], params: dict[str, Any] | None = None) -> li
   with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
     staged = None if eqn.effects else _staged_primitive(primitive, bind_params, invals)
     out = staged(*invals) if staged is not None else primitive.bind(*invals, **bind_params)
-  return list(out) if primitive.multiple_results else [out]
+  outs = list(out) if primitive.multiple_results else [out]
+  return [_typed_as_traced(value, var) for value, var in zip(outs, eqn.outvars, strict=True)]
+
+
+def _typed_as_traced(value, var) -> Any:
+  """A concrete output made strongly typed where ``var``'s type is. jax 0.10.0 caches eager
+  binds without the inputs' weak types: once a weak literal was broadcast, a strong one of the
+  same shape (``jnp.full(s, jnp.finfo(jnp.float32).min)``) comes out weak, and autocast would
+  let it follow a 16-bit operand (into -inf)."""
+  if isinstance(value, _core.Tracer) or var.aval.weak_type:
+    return value
+  if not getattr(typeof(value), "weak_type", False):
+    return value
+  return jax.lax.convert_element_type(value, typeof(value).dtype)
 
 
 def linearizing(values: Sequence[Any]) -> bool:

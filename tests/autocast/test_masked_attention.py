@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax import lax
 
 import jaxamp
 
@@ -213,6 +214,20 @@ def test_linen_attention_with_an_additive_bias_mask_is_finite(device_type, dtype
   fun = jaxamp.autocast(attention, device_type=device_type, dtype=dtype)
   assert_finite(fun(Q, K, mask))
   value_and_grad_finite(lambda q: jnp.sum(fun(q, K, mask).astype(jnp.float32)), Q)
+
+
+def masked_by_selected_fills(q, k, pair):
+  """Hugging Face's Flax spelling: the mask selects between two fills made in the function."""
+  zeros = jnp.full(pair.shape, 0.0).astype(jnp.float32)
+  lowest = jnp.full(pair.shape, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+  return scores_softmax(q, k, lax.select(pair, zeros, lowest))
+
+
+@policies
+def test_a_mask_selected_between_fills_stays_finite_run_eagerly_and_jitted(device_type, dtype):
+  fun = jaxamp.autocast(masked_by_selected_fills, device_type=device_type, dtype=dtype)
+  assert_finite(fun(Q, K, PAIR))  # eager: each primitive bound on concrete values
+  assert_finite(jax.jit(fun)(Q, K, PAIR))
 
 
 @policies

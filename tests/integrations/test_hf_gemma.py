@@ -70,17 +70,6 @@ def dots(gemma, **options) -> collections.Counter:
   )
 
 
-# Under jax 0.10.0 (the oldest jax pyproject admits) the padded rows come out NaN under both
-# policies though float32 Gemma stays finite there: a known bug, not yet found. Strict, so that
-# the fix shows here.
-JAX_0_10_0_NAN = pytest.mark.xfail(
-  tuple(int(part) for part in jax.__version__.split(".")[:3]) < (0, 10, 1),
-  reason="padded rows of Flax Gemma come out NaN under autocast with jax 0.10.0",
-  strict=True,
-)
-
-
-@JAX_0_10_0_NAN
 @pytest.mark.parametrize("device_type", [pytest.param("cuda", marks=pytest.mark.slow), "cpu"])
 def test_left_padded_rows_give_finite_logits_close_to_float32(gemma, device_type):
   reference = logits_fn(gemma)(gemma.params, TOKENS, MASK)
