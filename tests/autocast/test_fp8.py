@@ -256,12 +256,17 @@ def test_vmap_scales_each_example_by_its_own_amax():
 
 
 @pytest.mark.slow
-def test_grad_of_vmap_matches_the_loop():
+def test_grad_of_vmap_scales_each_example_as_the_loop_does():
   f = lambda w, x: fp8_autocast(lambda w, x: jnp.tanh(x @ w))(w, x).astype(F32).sum()
   xs = normal(5, (3, 32))
   batched = jax.grad(lambda w: jax.vmap(f, in_axes=(None, 0))(w, xs).sum())(PARAMS["w1"])
   looped = sum(jax.grad(f)(PARAMS["w1"], x) for x in xs)
-  np.testing.assert_allclose(batched, looped, rtol=1e-5, atol=1e-5)
+  # Each column of dW sums one cotangent element per example. XLA may compute a batched
+  # cotangent an ulp away from the unbatched one, which can round it to the neighbouring e5m2
+  # value (jax 0.10.0 does for a few): those columns differ, every other is equal. Scales taken
+  # over the whole batch instead of per example would move most columns.
+  differing = ~np.isclose(batched, looped, rtol=1e-5, atol=1e-5).all(axis=0)
+  assert differing.sum() <= len(xs) * 2, np.flatnonzero(differing)
 
 
 @pytest.mark.slow
