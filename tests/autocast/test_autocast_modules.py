@@ -66,6 +66,7 @@ def test_the_model_keeps_as_many_arrays():
   assert len(arrays(with_autocast_mlp(model))) == len(arrays(model)) == 8
 
 
+@pytest.mark.slow
 def test_the_submodule_arrays_are_the_same_leaves():
   model = new_model()
   for old, new in zip(arrays(model), arrays(with_autocast_mlp(model)), strict=True):
@@ -77,6 +78,7 @@ def test_submodule_fields_are_read_through_the_wrapper():
   assert with_autocast_mlp(model).mlp.layers[0].weight is model.mlp.layers[0].weight
 
 
+@pytest.mark.slow
 def test_tree_map_rebuilds_a_callable_wrapper_around_new_leaves():
   model = with_autocast_mlp(new_model())
   zeroed = jax.tree.map(lambda x: jnp.zeros_like(x) if eqx.is_array(x) else x, model)
@@ -97,6 +99,7 @@ def test_every_weight_gets_a_nonzero_float32_gradient():
   assert all(float(jnp.abs(g).max()) > 0 for g in leaves)
 
 
+@pytest.mark.slow
 def test_gradients_are_close_to_float32():
   grads = eqx.filter_grad(loss)(with_autocast_mlp(new_model()))
   expected = eqx.filter_grad(loss)(new_model())
@@ -173,6 +176,7 @@ def nnx_model_with_autocast_mlp() -> NnxModel:
   return model
 
 
+@pytest.mark.slow
 def test_nnx_submodule_params_stay_in_the_model_state():
   assert len(jax.tree.leaves(nnx.state(nnx_model_with_autocast_mlp(), nnx.Param))) == 6
 

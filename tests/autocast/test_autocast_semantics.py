@@ -205,6 +205,7 @@ def test_outputs_leave_in_the_dtype_the_region_produced():
   assert out["h"].dtype == jnp.float16 and out["x"].dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_gradients_of_float32_params_are_float32_and_close():
   def loss(w, x):
     return jnp.mean(jax.nn.log_softmax(jnp.tanh(x @ w) @ w) ** 2)

@@ -53,6 +53,7 @@ def test_equinox_linear_output_is_low(device_type, low):
 
 
 @policies
+@pytest.mark.slow
 def test_equinox_conv2d_output_is_low(device_type, low):
   conv = eqx.nn.Conv2d(3, 4, kernel_size=3, padding=1, key=jax.random.key(5))  # bias (4, 1, 1)
   image = jnp.ones((3, 8, 8))

@@ -54,6 +54,7 @@ def _scan_closure_step(batch):
 
 
 @pytest.mark.parametrize("step", [_closure_step, _jit_closure_step, _scan_closure_step])
+@pytest.mark.slow
 def test_an_eager_loop_keeps_no_closed_over_batch_alive(step):
   refs = []
   for i in range(4):
@@ -163,6 +164,7 @@ def test_the_pytree_metadata_of_arguments_and_outputs_dies_with_the_function():
   assert metadata() is None
 
 
+@pytest.mark.slow
 def test_a_partial_recreated_per_call_hits_the_cache_and_keeps_no_array_alive():
   traces = []
 
@@ -266,6 +268,7 @@ def _call_a_fresh_jit(x, i):
   return jaxamp.autocast(lambda y: jnp.sum(inner(y)), device_type="cpu")(x)
 
 
+@pytest.mark.slow
 def test_a_cached_rewrite_is_dropped_with_its_jaxpr():
   x = _batch(0)
   for i in range(3):
@@ -324,6 +327,7 @@ def _fill_every_cache(x):
   return f
 
 
+@pytest.mark.slow
 def test_clear_caches_empties_every_registered_cache():
   f = _fill_every_cache(_batch(0))
   registered = caches.registered()

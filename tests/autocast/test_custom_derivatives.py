@@ -296,6 +296,7 @@ def test_checkpointed_while_loop_forward():
   assert_close(cuda(checkpointed_loop)(W, X), checkpointed_loop(W, X))
 
 
+@pytest.mark.slow
 def test_checkpointed_while_loop_gradient():
   grad = jax.jit(jax.grad(cuda(checkpointed_loop)))
   assert_close(grad(W, X), jax.jit(jax.grad(checkpointed_loop))(W, X))
@@ -390,6 +391,7 @@ SOLVERS = [("root_find", "cuda"), ("least_squares", "cpu"), ("minimise", "cuda")
 
 
 @pytest.mark.parametrize("kind,device_type", SOLVERS)
+@pytest.mark.slow
 def test_optimistix_solution(kind, device_type):
   solve = solution(kind)
   actual = jax.jit(jaxamp.autocast(solve, device_type=device_type))(W4, B4)

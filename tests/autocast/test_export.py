@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxamp
 
@@ -136,6 +137,7 @@ def test_cpu_export_accumulates_layer_norm_statistics_in_float32():
   assert all(set(types) == {"f32"} for types in found), found
 
 
+@pytest.mark.slow
 def test_cpu_export_runs_and_is_close_to_float32():
   variables = jax.jit(MODEL.init)(jax.random.key(0), X)
   out = exported("cpu", "cpu").call(variables, X)

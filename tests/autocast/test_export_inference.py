@@ -135,6 +135,7 @@ print(json.dumps({"jaxamp": "jaxamp" in sys.modules, "flax": "flax" in sys.modul
 """
 
 
+@pytest.mark.slow
 def test_serialized_export_runs_in_a_process_without_jaxamp_or_flax(tmp_path):
   blob, inputs = tmp_path / "model.jax", tmp_path / "inputs.npz"
   blob.write_bytes(exported("cpu", ("cpu",)).serialize())
@@ -155,6 +156,7 @@ def test_serialized_export_runs_in_a_process_without_jaxamp_or_flax(tmp_path):
   np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), expected.view(np.uint8))
 
 
+@pytest.mark.slow
 def test_export_with_a_symbolic_batch_dimension():
   (batch,) = export.symbolic_shape("batch")
   spec = jax.ShapeDtypeStruct((batch, 16), jnp.float32)

@@ -157,6 +157,7 @@ def test_float32_parameters_get_float32_gradients_from_a_float32_dot():
   assert {k: v.dtype for k, v in grads.items()} == {k: F32 for k in PARAMS}
 
 
+@pytest.mark.slow
 def test_gradients_are_close_to_float32s():
   grads = jax.grad(fp8_autocast(mlp_loss))(PARAMS, X)
   reference = jax.grad(mlp_loss)(PARAMS, X)
@@ -172,6 +173,7 @@ def test_an_all_zero_tensor_has_scale_one():
   assert float(fp8.scale_of(jnp.full((4,), 1e-44), E4M3, BF16)) == 1.0  # underflows float32
 
 
+@pytest.mark.slow
 def test_an_all_zero_operand_gives_zeros_and_finite_gradients():
   w = jnp.zeros((32, 64))
   out = fp8_autocast(lambda w, x: x @ w)(w, X)
@@ -359,6 +361,7 @@ def fp8_rule() -> str:
   return rules.Decider.FP8.value
 
 
+@pytest.mark.slow
 def test_precision_report_compares_float8_matmuls_with_float32():
   report = jaxamp.precision_report(mlp, **FP8)(PARAMS, X)
   assert report.dtype == "float8_e4m3fn"

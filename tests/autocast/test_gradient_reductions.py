@@ -371,6 +371,7 @@ def _saved_residuals(loss, params, x) -> list:
   return sorted((*v.aval.shape, v.aval.dtype) for v in kept)
 
 
+@pytest.mark.slow
 def test_scan_over_layers_gets_float32_weight_gradients():
   class Layer(nn.Module):
     @nn.compact

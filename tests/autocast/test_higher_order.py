@@ -93,6 +93,7 @@ def test_dtypes_inside_higher_order_primitive(name, device_type, low, exp_dtype)
 
 
 @pytest.mark.parametrize("name", sorted(HIGHER_ORDER))
+@pytest.mark.slow
 def test_gradients_through_higher_order_primitive_are_float32(name):
   fun = jaxamp.autocast(HIGHER_ORDER[name], device_type="cuda")
   if name == "while":

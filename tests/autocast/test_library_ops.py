@@ -219,6 +219,7 @@ def test_a_function_is_recognised_by_its_code_not_by_its_name():
   assert "softmax" not in ops_traced(softmax, X)
 
 
+@pytest.mark.slow
 def test_importing_jaxamp_imports_none_of_the_optional_libraries():
   script = (
     "import sys, jaxamp; print(sorted(m for m in ('flax', 'haiku', 'equinox') if m in sys.modules))"

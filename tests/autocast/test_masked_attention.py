@@ -168,6 +168,7 @@ def scores_softmax(q, k, mask):
 
 @policies
 @masks
+@pytest.mark.slow
 def test_an_additive_mask_passed_as_an_argument_stays_finite(device_type, dtype, mask):
   fun = jaxamp.autocast(scores_softmax, device_type=device_type, dtype=dtype)
   assert_finite(fun(Q, K, mask))
@@ -194,6 +195,7 @@ def test_an_additive_mask_promotes_the_scores_as_torch_does(device_type, dtype):
 
 @policies
 @masks
+@pytest.mark.slow
 def test_jax_nn_attention_with_an_additive_bias_mask_is_finite(device_type, dtype, mask):
   def attention(q, k, mask):
     q, k = q[None, :, None], k[None, :, None]  # (batch, seq, heads, head_dim)
@@ -206,6 +208,7 @@ def test_jax_nn_attention_with_an_additive_bias_mask_is_finite(device_type, dtyp
 
 @policies
 @masks
+@pytest.mark.slow
 def test_linen_attention_with_an_additive_bias_mask_is_finite(device_type, dtype, mask):
   def attention(q, k, mask):
     q, k = q[None, :, None], k[None, :, None]

@@ -59,6 +59,7 @@ def test_two_linen_layer_norms_in_one_module_are_two_instances():
   assert [o.dtype for o in outs] == [jnp.bfloat16, jnp.bfloat16]
 
 
+@pytest.mark.slow
 def test_two_nnx_layer_norms_are_two_instances():
   norms = [nnx.LayerNorm(8, rngs=nnx.Rngs(0)) for _ in range(2)]
   fun = jaxamp.autocast(
@@ -76,6 +77,7 @@ def test_one_call_on_a_multi_line_statement_is_one_instance():
   assert text.count("remat2") == 1  # one recomputed instance
 
 
+@pytest.mark.slow
 def test_batch_norm_state_stays_float32_and_its_output_is_low():
   module = nn.BatchNorm(use_running_average=False)
   variables = module.init(jax.random.key(4), X)

@@ -52,6 +52,7 @@ def test_equinox_state_keeps_its_dtype(device_type, low):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_equinox_state_from_autocast_feeds_the_next_autocast_call(device_type, low):
   model, state = spectral_norm()
   forward = jaxamp.autocast(eqx_forward, device_type=device_type)
@@ -99,6 +100,7 @@ def test_linen_mutable_collection_keeps_its_dtype(device_type, low):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_linen_output_next_to_a_mutable_collection_keeps_the_low_dtype(device_type, low):
   variables = LastHidden().init(jax.random.key(0), X)
   forward = jaxamp.autocast(LastHidden().apply, device_type=device_type)
@@ -138,6 +140,7 @@ haiku_last_hidden = hk.transform_with_state(_haiku_last_hidden)
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_haiku_state_keeps_its_dtype(device_type, low):
   params, state = haiku_last_hidden.init(jax.random.key(0), X)
   forward = jaxamp.autocast(haiku_last_hidden.apply, device_type=device_type)

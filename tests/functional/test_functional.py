@@ -225,6 +225,7 @@ def test_invalid_reduction_raises(fn):
     fn(x, x, reduction="average")
 
 
+@pytest.mark.slow
 def test_kl_div_accepts_batchmean():
   x = jnp.log(jnp.full((2, 4), 0.25))
   assert functional.kl_div(x, jnp.full((2, 4), 0.25), reduction="batchmean") == 0
@@ -246,6 +247,7 @@ def test_cross_entropy_all_ignored_is_nan():
   assert jnp.isnan(out)
 
 
+@pytest.mark.slow
 def test_pdist_gradient_is_finite_for_equal_rows():
   x = jnp.ones((3, 2))
   assert jnp.all(jnp.isfinite(jax.grad(lambda x: functional.pdist(x).sum())(x)))

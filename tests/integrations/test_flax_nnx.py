@@ -143,6 +143,7 @@ def test_layer_norm_output_has_torch_dtype(device_type, low, expected):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_batch_norm_output_keeps_the_low_dtype_of_its_input(device_type, low):
   out, _, _ = run("nnx_jit", device_type)
   assert out["batch_norm"].dtype == low
@@ -178,6 +179,7 @@ def test_every_dot_and_conv_runs_in_the_low_dtype(device_type, low):
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_batch_norm_running_statistics_are_updated(mode, device_type, low):
   _, before, after = run(mode, device_type)
   for old, new in zip(batch_stats(before), batch_stats(after), strict=True):

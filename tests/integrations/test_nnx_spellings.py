@@ -154,6 +154,7 @@ def test_module_read_inside_jax_jit_runs(spelling):
   [module_as_function, module_as_argument],
   ids=["module_as_function", "module_as_argument"],
 )
+@pytest.mark.slow
 def test_module_read_inside_jax_grad_runs(spelling):
   model = linear()
   grad = jax.grad(lambda x: jnp.sum(spelling(model, x).astype(jnp.float32)))(X)

@@ -115,6 +115,7 @@ def test_a_linen_module_name_runs_that_module_in_float32():
   assert others and all(inputs == (F16, F16) for _, inputs in others)
 
 
+@pytest.mark.slow
 def test_parts_an_override_does_not_match_run_as_without_overrides():
   args = lm1b_args()
   plain = explained(lm1b_loss, *args)
@@ -148,6 +149,7 @@ def test_a_lower_dtype_runs_a_module_autocast_to_it():
   assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}
 
 
+@pytest.mark.slow
 def test_the_deepest_matching_override_decides():
   apply, variables = resnet_apply()
   overrides = {"ResNetBlock_1/Conv_0": jnp.float32, "ResNetBlock_1": jnp.bfloat16}
@@ -184,6 +186,7 @@ def test_a_haiku_module_name_runs_that_module_in_its_dtype():
   assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}
 
 
+@pytest.mark.slow
 def test_a_haiku_module_class_turns_autocast_off_in_every_instance_as_jmp_does():
   apply, params, state = haiku_apply()
   decisions = explained(apply, params, state, IMAGES, overrides={hk.BatchNorm: None})
@@ -238,6 +241,7 @@ def test_an_nnx_module_class_runs_its_calls_in_float32():
   assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}
 
 
+@pytest.mark.slow
 def test_an_nnx_attribute_path_runs_that_submodule_in_float32():
   model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))
   batch = flax_nnx_mnist.get_fake_batch(8)
@@ -262,6 +266,7 @@ def test_an_nnx_model_under_overrides_keeps_its_state_updates_and_classes():
   assert nnx.Linear.__call__ is call  # the scopes were added for the trace only
 
 
+@pytest.mark.slow
 def test_an_autocast_module_keeps_its_overrides_through_tree_operations():
   model = equinox_examples.CNN(jax.random.key(0))
   wrapped = jaxamp.autocast(model, device_type="cuda", overrides={eqx.nn.Linear: None})
@@ -296,6 +301,7 @@ def test_an_nnx_train_step_takes_overrides_by_attribute_path():
   assert bool(jnp.isfinite(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_precision_report_takes_overrides_and_a_policy():
   def model(x, w):
     h = x @ w

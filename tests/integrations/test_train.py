@@ -114,6 +114,7 @@ def test_linen_step_keeps_float32_params():
 
 
 @pytest.mark.parametrize("device_type", ["cuda", "cpu", "xpu"])
+@pytest.mark.slow
 def test_linen_step_runs_every_dot_in_the_device_types_autocast_dtype(device_type):
   low = jaxamp.get_autocast_dtype(device_type)
   step = make_train_step(linen_loss, device_type=device_type)
@@ -162,12 +163,14 @@ def test_linen_scaled_step_updates_like_the_unscaled_step():
     np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_linen_step_multiplies_the_loss_by_the_scale():
   """A scale past float16's range makes the float16 gradients overflow: proof it was applied."""
   state, metrics = linen_step(linen_state(scaler(init_scale=2.0**40)))
   assert bool(metrics["found_inf"]) and float(metrics["scale"]) == 2.0**39
 
 
+@pytest.mark.slow
 def test_linen_step_skips_a_non_finite_loss_and_backs_off():
   state = linen_state(scaler(init_scale=8.0))
   new_state, metrics = linen_step(state, jnp.inf)
@@ -189,6 +192,7 @@ def test_linen_step_grows_the_scale_after_growth_interval_finite_steps():
   assert scales == [8.0, 16.0, 16.0, 32.0]
 
 
+@pytest.mark.slow
 def test_linen_step_passes_extra_arguments_to_the_loss_function():
   _, metrics = linen_step(linen_state(optax.sgd(0.1)), poison=2.0, enabled=False)
   np.testing.assert_allclose(metrics["loss"], 2.0 * linen_loss(mlp_params(), BATCH), rtol=1e-6)
@@ -264,6 +268,7 @@ def test_linen_step_with_multi_steps_updates_once_per_window():
   assert (float(metrics_1["scale"]), float(metrics_2["scale"])) == (8.0, 16.0)
 
 
+@pytest.mark.slow
 def test_linen_step_with_multi_steps_skips_a_window_with_one_non_finite_micro_batch():
   tx = jaxamp.multi_steps(scaler(init_scale=8.0), every_k_schedule=2)
   state = linen_state(tx)
@@ -273,6 +278,7 @@ def test_linen_step_with_multi_steps_skips_a_window_with_one_non_finite_micro_ba
   assert (bool(metrics["found_inf"]), float(metrics["scale"])) == (True, 4.0)
 
 
+@pytest.mark.slow
 def test_linen_step_rejects_a_loss_function_returning_three_values():
   step = make_train_step(lambda params, b: (linen_loss(params, b), 1.0, 2.0), enabled=False)
   with pytest.raises(ValueError, match="pair"):
@@ -330,6 +336,7 @@ def params_of(model) -> dict:
   return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
+@pytest.mark.slow
 def test_nnx_step_returns_loss_scale_found_inf_and_skipped_steps():
   model, optimizer = nnx_setup(scaler(init_scale=8.0))
   metrics = nnx_step(model, optimizer)
@@ -342,6 +349,7 @@ def test_nnx_step_returns_loss_scale_found_inf_and_skipped_steps():
   ) == (F32, 8.0, False, 0)
 
 
+@pytest.mark.slow
 def test_nnx_step_updates_the_params_in_place():
   model, optimizer = nnx_setup(scaler())
   before = params_of(model)
@@ -349,6 +357,7 @@ def test_nnx_step_updates_the_params_in_place():
   assert not leaves_equal(params_of(model), before) and int(optimizer.step[...]) == 1
 
 
+@pytest.mark.slow
 def test_nnx_step_keeps_float32_params():
   model, optimizer = nnx_setup(scaler())
   nnx_step(model, optimizer)
@@ -381,6 +390,7 @@ def test_nnx_step_batch_norm_statistics_are_close_to_the_float32_step():
 
 
 @pytest.mark.parametrize("device_type,low", [("cuda", F16), ("cpu", BF16)])
+@pytest.mark.slow
 def test_nnx_step_runs_every_dot_in_the_autocast_dtype(device_type, low):
   model, optimizer = nnx_setup(scaler())
   step = nnx.jit(make_nnx_train_step(nnx_loss, device_type=device_type))
@@ -389,6 +399,7 @@ def test_nnx_step_runs_every_dot_in_the_autocast_dtype(device_type, low):
   assert not jaxpr_utils.matmuls_off_dtype(jaxpr, low)
 
 
+@pytest.mark.slow
 def test_nnx_step_without_a_scaler_trains_unscaled_and_reports_scale_one():
   model, optimizer = nnx_setup(optax.sgd(0.1))
   before = params_of(model)
@@ -397,6 +408,7 @@ def test_nnx_step_without_a_scaler_trains_unscaled_and_reports_scale_one():
   assert not leaves_equal(params_of(model), before)
 
 
+@pytest.mark.slow
 def test_nnx_step_with_autocast_disabled_matches_a_hand_written_step():
   model, optimizer = nnx_setup(optax.sgd(0.1))
   nnx_step(model, optimizer, enabled=False)
@@ -490,6 +502,7 @@ def test_nnx_step_passes_keyword_arguments_to_the_loss_function(enabled):
   assert np.isfinite(metrics["loss"]) and int(rngs.dropout.count[...]) == 1
 
 
+@pytest.mark.slow
 def test_nnx_step_draws_a_new_dropout_mask_each_step():
   model = DropoutNet(nnx.Rngs(0))
   optimizer, rngs = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param), nnx.Rngs(dropout=1)

@@ -67,11 +67,13 @@ def test_counts_nan_posinf_neginf_and_max_finite_per_leaf():
   }
 
 
+@pytest.mark.slow
 def test_leaf_stats_sum_inf_and_nonfinite():
   stats = nonfinite_report(MIXED).leaves["mixed"]
   assert (int(stats.inf), int(stats.nonfinite)) == (3, 4)
 
 
+@pytest.mark.slow
 def test_all_finite_leaf_has_zero_counts_and_its_largest_magnitude():
   stats = nonfinite_report(jnp.array([-65504.0, 3.0, 0.0], jnp.float16)).leaves
   assert counts(stats) == (0, 0, 0, 65504.0, 3)
@@ -100,6 +102,7 @@ def test_low_precision_leaves_report_max_finite_exactly_in_float32(dtype):
   assert counts(stats) == (1, 1, 1, top, 5) and stats.max_finite.dtype == F32
 
 
+@pytest.mark.slow
 def test_float64_leaves_report_max_finite_in_float64():
   with jax.enable_x64(True):
     leaf = jnp.array([1e300, -INF], jnp.float64)
@@ -108,6 +111,7 @@ def test_float64_leaves_report_max_finite_in_float64():
     assert (float(report.leaves["g"].max_finite), float(report.max_finite)) == (1e300, 1e300)
 
 
+@pytest.mark.slow
 def test_float0_gradients_and_prng_keys_count_as_finite():
   tree = {"f0": np.zeros((3,), jax.dtypes.float0), "key": jax.random.key(0)}
   assert by_path(nonfinite_report(tree)) == {"f0": (0, 0, 0, 0.0, 3), "key": (0, 0, 0, 0.0, 1)}
@@ -131,6 +135,7 @@ def test_empty_tree_reports_zero_leaves_all_finite():
     assert (int(report.nonfinite), float(report.max_finite)) == (0, 0.0)
 
 
+@pytest.mark.slow
 def test_non_array_leaves_are_left_out():
   model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))  # holds jax.nn.relu and an identity
   report = nonfinite_report(model)
@@ -165,6 +170,7 @@ def test_totals_saturate_at_int32_max_instead_of_wrapping():
   assert int(nonfinite._saturating_add(2**30, 2**30 - 1)) == top
 
 
+@pytest.mark.slow
 def test_leaves_beyond_the_int32_range_are_counted_in_chunks(monkeypatch):
   monkeypatch.setattr(nonfinite, "_MAX_EXACT", 5)  # as if 2**31 - 1
   monkeypatch.setattr(nonfinite, "_CHUNK", 4)  # as if 2**30

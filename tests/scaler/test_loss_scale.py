@@ -152,6 +152,7 @@ def test_non_finite_gradient_skips_the_step_with_zero_updates(bad):
   assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
 
 
+@pytest.mark.slow
 def test_skipped_step_leaves_params_and_adam_state_bit_identical():
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-2), init_scale=4.0)
   step = jitted_update(tx)
@@ -373,6 +374,7 @@ def test_scale_updates_round_the_float64_product_to_float32_like_torch(init_scal
 # enabled=False.
 
 
+@pytest.mark.slow
 def test_disabled_scaler_is_an_exact_pass_through_of_the_inner_optimizer():
   inner = optax.adam(1e-2)
   tx = jaxamp.dynamic_loss_scale(inner, enabled=False)
@@ -464,6 +466,7 @@ def test_update_with_a_state_that_is_not_the_scalers_is_a_type_error(state):
     tx.update(PARAMS, wrong, PARAMS)
 
 
+@pytest.mark.slow
 def test_update_skips_none_leaves_and_checks_the_others():
   tx = jaxamp.dynamic_loss_scale(optax.adam(0.1))
   params = {"w": jnp.ones(3), "frozen": None}
@@ -592,6 +595,7 @@ def _inverse_kernels(leaves: int) -> int:
   return text.count("count-leading-zeros(")
 
 
+@pytest.mark.slow
 def test_unscale_compiles_the_exact_inverse_once_whatever_the_leaf_count():
   # XLA fused the ~100 scalar ops of torch's float64 inverse into every leaf's kernel.
   assert _inverse_kernels(4) == _inverse_kernels(32)

@@ -79,6 +79,7 @@ def micro_batches(n, bad=()):
   return [(poisoned(x) if i in bad else x, y) for i, (x, y) in enumerate(zip(xs, ys, strict=True))]
 
 
+@pytest.mark.slow
 def test_recipe_multisteps_around_the_scaler_skips_the_whole_accumulated_step_like_torch():
   tx = jaxamp.multi_steps(jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0), 4)
   train_step = make_train_step(tx)
@@ -211,6 +212,7 @@ def test_multi_steps_accepts_a_numpy_integer():
 # Several losses, gradient penalty.
 
 
+@pytest.mark.slow
 def test_recipe_several_losses_are_scaled_by_the_same_scale_and_summed():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(1.0), init_scale=1024.0)
   opt_state = tx.init(PARAMS)
@@ -262,6 +264,7 @@ def train_a_few_steps(tx, n=4):
   return train_step, params, opt_state
 
 
+@pytest.mark.slow
 def test_recipe_checkpoint_round_trip_with_orbax(tmp_path):
   tx = jaxamp.dynamic_loss_scale(
     optax.adam(1e-2), init_scale=1024.0, growth_factor=1.1, growth_interval=2
@@ -280,6 +283,7 @@ def test_recipe_checkpoint_round_trip_with_orbax(tmp_path):
   assert_trees_equal(resumed, continued)
 
 
+@pytest.mark.slow
 def test_recipe_checkpoint_round_trip_with_state_dict():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0, growth_interval=3)
   train_step, params, opt_state = train_a_few_steps(tx)

@@ -92,6 +92,7 @@ MIXED_GRADS = {
 }
 
 
+@pytest.mark.slow
 def test_unscale_gives_the_same_bits_as_the_update_and_keeps_each_dtype():
   tx = scaler(optax.identity(), init_scale=30001.7)  # identity: updates are the unscaled grads
   state = tx.init(MIXED_GRADS)
@@ -116,6 +117,7 @@ def test_unscale_of_a_disabled_scaler_returns_the_grads_unmodified_and_false():
   assert unscaled is grads and not found_inf
 
 
+@pytest.mark.slow
 def test_unscale_reduces_found_inf_over_the_scalers_axis_name():
   grads = jnp.array([[4.0, 4.0], [4.0, jnp.inf]])  # only the second shard overflows
   shared = scaler(init_scale=4.0, axis_name="data").init(jnp.zeros(2))
@@ -147,6 +149,7 @@ def test_unscale_accepts_float16_gradients_which_torch_unscale_refuses():
 # update(..., found_inf=...): the functional form of step() after unscale_().
 
 
+@pytest.mark.slow
 def test_update_with_found_inf_treats_the_grads_as_already_unscaled():
   tx = scaler(optax.adam(0.1), init_scale=30001.7, growth_interval=1)
   state = tx.init(PARAMS)
@@ -162,6 +165,7 @@ def test_update_with_found_inf_treats_the_grads_as_already_unscaled():
   )
 
 
+@pytest.mark.slow
 def test_clipping_outside_the_wrapper_after_unscale_equals_clipping_inside_it():
   clip = optax.clip_by_global_norm(1.0)
   inside = scaler(optax.chain(clip, optax.sgd(0.1)), init_scale=2.0**16)
@@ -194,6 +198,7 @@ def test_update_skips_exactly_when_found_inf_is_true_as_torch_step_after_unscale
   assert not stepped.found_inf and stepped.growth_tracker == 1
 
 
+@pytest.mark.slow
 def test_found_inf_is_consumed_by_the_scaler_and_other_extra_args_reach_the_inner_optimizer():
   seen = {}
 
@@ -395,6 +400,7 @@ def test_script_replays_torch_state_after_every_operation(script):
   replay_script(script)
 
 
+@pytest.mark.slow
 def test_scripts_match_live_torch():
   pytest.importorskip("torch")
   for name in recorder.SCRIPTS:
@@ -405,6 +411,7 @@ def test_scripts_match_live_torch():
 # set_scale: torch's update(new_scale).
 
 
+@pytest.mark.slow
 def test_set_scale_keeps_tracker_found_inf_skipped_steps_and_inner_state():
   tx = scaler(optax.adam(0.1), init_scale=8.0)
   state = tx.init(PARAMS)

@@ -266,6 +266,7 @@ def test_skipped_steps_counts_every_skipped_step(storm):
   np.testing.assert_array_equal(state.skipped_steps[1:], np.cumsum(state.found_inf[1:]))
 
 
+@pytest.mark.slow
 def test_float16_gradients_that_overflow_at_a_large_scale_skip_steps_until_it_fits():
   storm = Storm(
     seed=1,

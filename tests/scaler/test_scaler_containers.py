@@ -131,6 +131,7 @@ def test_two_scaler_states_are_ambiguous():
 # --- flax training loops --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_flax_train_state_apply_gradients_with_the_wrapped_optimizer():
   state = train_state.TrainState.create(apply_fn=None, params=PARAMS, tx=scaler(init_scale=8.0))
 
