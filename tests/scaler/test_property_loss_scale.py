@@ -331,6 +331,12 @@ def test_adam_counts_only_the_finite_steps(storm):
   np.testing.assert_array_equal(adam_count[1:], np.cumsum(~state.found_inf[1:]))
 
 
+# The reference is one fused kernel: XLA:CPU recomputes a float16 leaf's new moments inside its
+# parameter update in float32 (excess precision) instead of reading them rounded to float16 as
+# the scaler's step does, so after hundreds of steps float16 parameters differ by a few ulps.
+RTOL = {np.dtype(jnp.float16): 4 * float(jnp.finfo(jnp.float16).eps)}
+
+
 @storm_test
 def test_storm_trains_like_adam_on_the_finite_steps_alone(storm):
   params, state, _ = run(storm)
@@ -346,12 +352,6 @@ def test_storm_trains_like_adam_on_the_finite_steps_alone(storm):
       rtol=RTOL.get(ours.dtype, 1e-5),
       atol=1e-6,
     )
-
-
-# The reference is one fused kernel: XLA:CPU recomputes a float16 leaf's new moments inside its
-# parameter update in float32 (excess precision) instead of reading them rounded to float16 as
-# the scaler's step does, so after hundreds of steps float16 parameters differ by a few ulps.
-RTOL = {np.dtype(jnp.float16): 4 * float(jnp.finfo(jnp.float16).eps)}
 
 
 # ------------------------------------------------------------------------------------------------
