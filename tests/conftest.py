@@ -9,7 +9,9 @@ a line at the end of the run; the comparisons with the recorded golden files run
 
 The notebooks (collected from ``notebooks/`` by nbmake) are marked ``slow``, as the slow tests
 are: ``python -m pytest -m "not slow"`` is the fast subset, in which every test module keeps some
-tests (``fast_subset.first_of_each_family`` picks them in the large parametrizations).
+tests. A parametrized test marked ``slow_after_first`` keeps its first case in the fast subset
+and marks the others ``slow`` (``fast_subset.first_of_each_family`` picks one case per family in
+the large parametrizations).
 """
 
 from __future__ import annotations
@@ -32,12 +34,16 @@ def _has_torch() -> bool:
 
 HAS_TORCH = _has_torch()
 TORCH_MARKER = "torch: compares with live torch; without torch installed it is folded into one skip"
+SLOW_AFTER_FIRST_MARKER = (
+  "slow_after_first: the first parametrized case is in the fast subset, the others are slow"
+)
 INSTALL_TORCH = "pip install torch==2.13.0 (its CPU build is enough)"
 DESELECTED_FOR_TORCH = pytest.StashKey[list]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line("markers", TORCH_MARKER)
+  config.addinivalue_line("markers", SLOW_AFTER_FIRST_MARKER)
 
 
 def _calls_torch(function) -> bool:
@@ -62,13 +68,25 @@ def _live_torch_comparisons() -> None:
   """Stands in for the comparisons with live torch when torch is not installed."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects: the notebooks are slow
-def pytest_collection_modifyitems(
-  session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
-) -> None:
+def _mark_slow(items: list[pytest.Item]) -> None:
+  """The notebooks, and every case but the first fast one of a test marked
+  ``slow_after_first``."""
+  first_cases: set[tuple] = set()
   for item in items:
     if item.path.suffix == ".ipynb":
       item.add_marker(pytest.mark.slow)
+    elif item.get_closest_marker("slow_after_first") and not item.get_closest_marker("slow"):
+      function = (item.parent.nodeid, getattr(item, "originalname", item.name))
+      if function in first_cases:
+        item.add_marker(pytest.mark.slow)
+      first_cases.add(function)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(
+  session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+  _mark_slow(items)
   if HAS_TORCH:
     return
   live = [item for item in items if needs_torch(item)]

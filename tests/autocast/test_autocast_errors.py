@@ -283,6 +283,7 @@ def test_autocast_returns_a_bool_constant_as_is():
 
 
 @pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.slow
 def test_autocast_of_empty_arrays_works(device_type):
   def fun(x, w):
     h = jax.nn.softmax(x @ w)
@@ -295,6 +296,7 @@ def test_autocast_of_empty_arrays_works(device_type):
   assert total == 0 and np.array_equal(carry, np.zeros(3))
 
 
+@pytest.mark.slow
 def test_gradients_of_zero_size_params_are_zero_size_float32():
   params = {"w": jnp.ones((0, 3)), "b": jnp.ones(3)}
   loss = jaxamp.autocast(

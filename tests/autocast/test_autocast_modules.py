@@ -73,6 +73,7 @@ def test_the_submodule_arrays_are_the_same_leaves():
     assert new is old
 
 
+@pytest.mark.slow
 def test_submodule_fields_are_read_through_the_wrapper():
   model = new_model()
   assert with_autocast_mlp(model).mlp.layers[0].weight is model.mlp.layers[0].weight
@@ -107,6 +108,7 @@ def test_gradients_are_close_to_float32():
     np.testing.assert_allclose(found, want, rtol=5e-2, atol=5e-2 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.slow
 def test_adam_steps_change_every_weight():
   model = with_autocast_mlp(new_model())
   tx = optax.adam(1e-2)
@@ -136,6 +138,7 @@ def test_submodule_matmuls_run_in_float16_and_the_head_in_float32():
   ]
 
 
+@pytest.mark.slow
 def test_filter_jit_runs_it_once_per_signature_with_the_eager_result():
   model = with_autocast_mlp(new_model())
   traces = []
@@ -181,6 +184,7 @@ def test_nnx_submodule_params_stay_in_the_model_state():
   assert len(jax.tree.leaves(nnx.state(nnx_model_with_autocast_mlp(), nnx.Param))) == 6
 
 
+@pytest.mark.slow
 def test_an_nnx_module_can_make_an_autocast_submodule_in_init():
   class Wrapper(nnx.Module):
     def __init__(self):
@@ -191,6 +195,7 @@ def test_an_nnx_module_can_make_an_autocast_submodule_in_init():
   assert nnx.jit(lambda m, x: m.linear(x))(model, X).dtype == F16
 
 
+@pytest.mark.slow
 def test_nnx_submodule_params_get_float32_gradients_and_statistics_update():
   model = nnx_model_with_autocast_mlp()
   grads = nnx.jit(nnx.grad(lambda m: jnp.mean((m(X) - Y) ** 2)))(model)

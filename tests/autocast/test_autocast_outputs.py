@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxamp
 
@@ -66,6 +67,7 @@ def batch_norm_forward(model, x, state):
   return batched(x, state)
 
 
+@pytest.mark.slow
 def test_ema_batch_norm_state_leaves_are_arrays_run_eagerly():
   model, state = ema_batch_norm()
   _, state = autocast(batch_norm_forward)(model, X, state)

@@ -81,6 +81,7 @@ def test_is_autocast_available_names_the_policies():
     jax.nn.log_softmax,
   ],
 )
+@pytest.mark.slow_after_first
 def test_cuda_float32_list_runs_in_float32(op):
   fun = jaxamp.autocast(lambda x, w: op(jnp.abs(x @ w) + 1.0), device_type="cuda")
   assert fun(X, W).dtype == jnp.float32
@@ -101,6 +102,7 @@ def test_xpu_runs_ops_missing_from_its_float32_list_in_the_input_dtype(op):
   assert jaxamp.autocast(lambda x, w: op(x @ w), device_type="cuda")(X, W).dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_cpu_float32_list_runs_in_float32():
   fun = jaxamp.autocast(lambda x, w: jnp.prod(x @ w, axis=0), device_type="cpu")
   assert fun(X, W).dtype == jnp.float32
@@ -124,6 +126,7 @@ def test_float64_integers_and_bools_pass_through():
   assert out[0].dtype == jnp.int32 and out[1].dtype == jnp.bool_
 
 
+@pytest.mark.slow
 def test_prng_keys_pass_through():
   def fun(key, x, w):
     return jax.random.normal(key, (4, 8)) + x @ w, jax.random.split(key)
@@ -347,6 +350,7 @@ def test_static_python_arguments_key_the_cache():
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_composes_with_vmap_jvp_and_checkpoint(device_type, low):
   auto = jaxamp.autocast(lambda x, w: jnp.tanh(x @ w), device_type=device_type)
   assert jax.vmap(auto, (0, None))(jnp.stack([X, X]), W).dtype == low
@@ -364,6 +368,7 @@ def test_autocast_inside_jit_and_jit_inside_autocast_agree():
   np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_custom_jvp_rule_survives():
   @jax.custom_jvp
   def f(x):
@@ -427,6 +432,7 @@ def test_registered_op_uses_its_category():
   assert fun(X, W).dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_optax_losses_are_recognised_as_float32_ops_on_cpu():
   labels = jnp.array([0, 1, 2, 3])
   loss = lambda x, w: optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)

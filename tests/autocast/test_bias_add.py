@@ -45,6 +45,7 @@ def test_addmv_stays_low(device_type, low):
 
 
 @policies
+@pytest.mark.slow
 def test_equinox_linear_output_is_low(device_type, low):
   layer = eqx.nn.Linear(8, 6, key=jax.random.key(4))
   assert jaxamp.autocast(layer, device_type=device_type)(V).dtype == low
@@ -61,6 +62,7 @@ def test_equinox_conv2d_output_is_low(device_type, low):
 
 
 @policies
+@pytest.mark.slow
 def test_equinox_mlp_keeps_low_activations_between_layers(device_type, low):
   mlp = eqx.nn.MLP(8, 4, width_size=16, depth=2, key=jax.random.key(6))
   jaxpr = jax.make_jaxpr(jaxamp.autocast(mlp, device_type=device_type))(V)
@@ -69,6 +71,7 @@ def test_equinox_mlp_keeps_low_activations_between_layers(device_type, low):
 
 
 @policies
+@pytest.mark.slow_after_first
 def test_bias_add_inside_a_scan_over_layers_stays_low(device_type, low):
   def layer(carry, params):  # the weights and biases are scanned over (flax's nn.scan layout)
     w, b = params

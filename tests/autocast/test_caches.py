@@ -66,6 +66,7 @@ def test_an_eager_loop_keeps_no_closed_over_batch_alive(step):
   assert _batches_alive(refs) == 0
 
 
+@pytest.mark.slow
 def test_a_numpy_batch_in_a_closure_is_not_kept_either():
   refs = []
   for i in range(3):
@@ -127,6 +128,7 @@ def test_a_bound_method_recreated_per_access_still_hits_the_cache():
   assert other.traces == 1
 
 
+@pytest.mark.slow
 def test_the_cache_does_not_keep_a_bound_methods_instance_alive():
   model = _Model()
   instance, weights = weakref.ref(model), weakref.ref(model.w)
@@ -150,6 +152,7 @@ jax.tree_util.register_pytree_node(
 )
 
 
+@pytest.mark.slow
 def test_the_pytree_metadata_of_arguments_and_outputs_dies_with_the_function():
   tag = _Tag()
   metadata = weakref.ref(tag)
@@ -291,6 +294,7 @@ class _Config:
     return hash(self.depth)
 
 
+@pytest.mark.slow
 def test_the_weak_lru_cache_evicts_the_oldest_and_drops_entries_of_dead_objects():
   cache = caches.WeakLRUCache(2)
   fns = [_Model() for _ in range(3)]  # hashed by identity

@@ -74,6 +74,7 @@ def doubled_vjp(symbolic_zeros: bool = False, seen: list | None = None):
   return mul
 
 
+@pytest.mark.slow
 def test_custom_vjp_fwd_is_told_the_inputs_jax_perturbs():
   """Under ``grad`` with respect to one input, ``fwd`` sees that one perturbed, as in JAX."""
   seen_jax, seen_autocast = [], []
@@ -171,6 +172,7 @@ def doubled_jvp(symbolic_zeros: bool = False, seen: list | None = None):
 
 @pytest.mark.parametrize("device_type", POLICIES)
 @pytest.mark.parametrize("argnums", [0, 1, (0, 1)], ids=["grad_w", "grad_y", "grad_both"])
+@pytest.mark.slow_after_first
 def test_custom_jvp_of_a_traced_scalar_argument_gives_the_rule_gradient(argnums, device_type):
   """``mul(x @ w, jnp.max(y))``: the rule's tangent for the rank-0 argument is cast linearly
   (no clip to the 16-bit range, which reverse mode could not transpose)."""
@@ -216,6 +218,7 @@ def test_custom_jvp_whose_rule_calls_it_on_tangents():
   assert_close(jax.grad(cuda(loss))(W), jax.grad(loss)(W))
 
 
+@pytest.mark.slow
 def test_custom_jvp_forward_mode_gives_the_rule_tangent():
   """``jax.jvp`` through the autocast function uses the rule (in the policy's dtype)."""
   fun = lambda mul: lambda w: mul(X @ w, jnp.max(w))
@@ -287,6 +290,7 @@ def checkpointed_loop(w, x):
   return jnp.sum(steps[1] ** 2)
 
 
+@pytest.mark.slow
 def test_checkpointed_while_loop_forward():
   """Without differentiation: the loop body's matmul autocast, the value float32's."""
   dots = jaxpr_utils.float_dtypes_of(

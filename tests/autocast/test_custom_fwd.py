@@ -114,6 +114,7 @@ def test_torch_spelling_backward_runs_with_autocast_off_on_the_saved_inputs(dtyp
   assert gx.dtype == gw.dtype == dtype  # cotangents come back in the inputs' dtypes
 
 
+@pytest.mark.slow
 def test_torch_spelling_matches_torch_dtypes():
   torch = pytest.importorskip("torch")
   torch_seen, jax_seen = {}, {}

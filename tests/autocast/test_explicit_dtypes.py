@@ -28,6 +28,7 @@ REDUCTIONS = {
 @pytest.mark.parametrize("device_type", DEVICES)
 @pytest.mark.parametrize("name", sorted(REDUCTIONS))
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.slow_after_first
 def test_a_reductions_explicit_dtype_is_kept(device_type, name, dtype):
   # (dtype=jnp.float32 on a value traced as float32 leaves no trace in the jaxpr: JAX drops the
   # cast to the dtype a value already has, so autocast cannot see it; README "Limits".)

@@ -70,6 +70,7 @@ def assert_bitwise_equal(actual, expected):
   )
 
 
+@pytest.mark.slow
 def test_serialized_cpu_export_runs_bitwise_like_the_autocast_function():
   restored = round_trip(exported("cpu", ("cpu",)))
   assert_bitwise_equal(restored.call(VARIABLES, X), inference_fn("cpu")(VARIABLES, X))
@@ -101,12 +102,14 @@ def test_cuda_export_is_produced_and_serialized_on_a_cpu_only_machine():
     restored.call(VARIABLES, X)
 
 
+@pytest.mark.slow
 def test_one_export_for_cpu_and_cuda_runs_the_cuda_policy_here_bitwise():
   restored = round_trip(exported("cuda", ("cpu", "cuda")))
   assert restored.platforms == ("cpu", "cuda")
   assert_bitwise_equal(restored.call(VARIABLES, X), inference_fn("cuda")(VARIABLES, X))
 
 
+@pytest.mark.slow
 def test_export_with_weights_baked_in_like_torch_jit_freeze():
   frozen = jax.jit(lambda x: jaxamp.autocast(MODEL.apply, device_type="cpu")(VARIABLES, x))
   restored = round_trip(export.export(frozen)(X))

@@ -105,6 +105,7 @@ def test_forward_is_close_to_float32():
   assert relative_error(out, mlp(PARAMS, X)) < FORWARD_RTOL
 
 
+@pytest.mark.slow
 def test_a_float32_parameter_is_quantized_from_float32_not_from_bfloat16():
   jaxpr = traced(fp8_autocast(lambda w, x: x @ w), PARAMS["w2"], normal(4, (8, 64)))
   array_casts = [
@@ -168,6 +169,7 @@ def test_gradients_are_close_to_float32s():
 # --- scales: zeros, infinities, NaN -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_all_zero_tensor_has_scale_one():
   assert float(fp8.scale_of(jnp.zeros((4, 4)), E4M3, BF16)) == 1.0
   assert float(fp8.scale_of(jnp.full((4,), 1e-44), E4M3, BF16)) == 1.0  # underflows float32
@@ -191,12 +193,14 @@ def test_the_scale_maps_the_amax_to_e4m3s_largest_value():
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.slow
 def test_a_non_finite_input_makes_the_matmul_non_finite(bad):
   x = X.at[2, 3].set(bad)
   out = fp8_autocast(lambda w, x: x @ w)(PARAMS["w1"], x)
   assert not np.isfinite(np.asarray(out, np.float32)).all()
 
 
+@pytest.mark.slow
 def test_a_non_finite_cotangent_makes_the_gradients_non_finite():
   def loss(w, x, scale):
     return jnp.sum(fp8_autocast(lambda w, x: x @ w)(w, x).astype(F32) * scale)

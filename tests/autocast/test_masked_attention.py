@@ -112,6 +112,7 @@ def test_hand_written_mask_fill_saturates_to_a_finite_value(device_type, dtype, 
 
 
 @policies
+@pytest.mark.slow_after_first
 def test_masked_logits_saturate_to_the_low_dtypes_range(device_type, dtype):
   fun = jaxamp.autocast(
     lambda x, w: jnp.where(MASK[:, 0], x @ w, jnp.finfo(jnp.float32).min),
@@ -125,6 +126,7 @@ def test_masked_logits_saturate_to_the_low_dtypes_range(device_type, dtype):
 
 
 @policies
+@pytest.mark.slow_after_first
 def test_a_genuine_infinity_stays_infinite(device_type, dtype):
   fun = jaxamp.autocast(
     lambda x, w: jnp.where(MASK[:, 0], x @ w, -jnp.inf), device_type=device_type, dtype=dtype
@@ -177,6 +179,7 @@ def test_an_additive_mask_passed_as_an_argument_stays_finite(device_type, dtype,
 
 @policies
 @masks
+@pytest.mark.slow
 def test_an_additive_mask_closed_over_stays_finite(device_type, dtype, mask):
   fun = jaxamp.autocast(
     lambda q, k: scores_softmax(q, k, mask), device_type=device_type, dtype=dtype
@@ -227,6 +230,7 @@ def masked_by_selected_fills(q, k, pair):
 
 
 @policies
+@pytest.mark.slow_after_first
 def test_a_mask_selected_between_fills_stays_finite_run_eagerly_and_jitted(device_type, dtype):
   fun = jaxamp.autocast(masked_by_selected_fills, device_type=device_type, dtype=dtype)
   assert_finite(fun(Q, K, PAIR))  # eager: each primitive bound on concrete values
@@ -234,6 +238,7 @@ def test_a_mask_selected_between_fills_stays_finite_run_eagerly_and_jitted(devic
 
 
 @policies
+@pytest.mark.slow
 def test_a_key_padding_mask_of_one_sequence_stays_finite(device_type, dtype):
   # A (1, k) mask varies along the keys only, as a bias would: cast, it saturates.
   mask = jnp.where(PAIR[:1], 0.0, jnp.finfo(jnp.float32).min)

@@ -21,6 +21,7 @@ X16, Y16 = X.astype(jnp.bfloat16), Y.astype(jnp.bfloat16)  # activations a layer
 
 
 @pytest.mark.parametrize("op", [jax.nn.softmax, jax.nn.log_softmax, jnp.mean, jnp.sum])
+@pytest.mark.slow
 def test_two_calls_from_one_line_are_two_instances(op):
   fun = jaxamp.autocast(lambda *xs: [op(x) for x in xs], device_type="cpu")
   assert [o.dtype for o in fun(X16, Y16)] == [jnp.bfloat16, jnp.bfloat16]
@@ -32,6 +33,7 @@ def test_two_calls_from_one_line_after_dots_are_two_instances(op):
   assert [o.dtype for o in fun(W, X, Y)] == [jnp.bfloat16, jnp.bfloat16]
 
 
+@pytest.mark.slow
 def test_calls_in_a_loop_each_return_their_inputs_dtype():
   def repeated(x, w):
     outs = []
@@ -89,6 +91,7 @@ def test_batch_norm_state_stays_float32_and_its_output_is_low():
   assert {leaf.dtype for leaf in jax.tree.leaves(state)} == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_a_non_stateful_op_returns_every_output_in_its_inputs_dtype():
   # Outputs shaped unlike the main input are results too, for ops without state: a row-wise
   # statistic of softmax-normalised values leaves in the input's dtype.

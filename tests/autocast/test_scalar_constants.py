@@ -84,17 +84,20 @@ def assert_same(out: jax.Array, expected: dict, exact: bool) -> None:
 
 
 @cases
+@pytest.mark.slow
 def test_a_scalar_op_on_a_16_bit_value_gives_the_opmath_answer(case):
   assert_same(autocast_answer(case), case["opmath"], exact=not case["fits"])
 
 
 @cpu_opmath_cases
+@pytest.mark.slow_after_first
 def test_a_product_or_quotient_with_a_scalar_gives_torch_cpus_answer(case):
   assert_same(autocast_answer(case), case["torch_cpu"], exact=not case["fits"])
 
 
 @pytest.mark.torch
 @cases
+@pytest.mark.slow_after_first
 def test_a_scalar_op_on_a_16_bit_value_matches_torch_live(case):
   pytest.importorskip("torch")
   recorder = script_modules.load("record_scalar_opmath_goldens")
@@ -136,6 +139,7 @@ def test_a_scalar_that_does_not_fit_computes_in_float32_and_rounds():
   assert jaxpr.out_avals[0].dtype == jnp.float16
 
 
+@pytest.mark.slow
 def test_a_clip_bound_that_does_not_fit_does_not_clip_an_infinity():
   # torch: clamp(x, -1e5, 1e5) computed in float32 leaves inf at 1e5, which rounds to inf.
   fun = jaxamp.autocast(lambda x, w: jnp.clip((x @ w) * 2, -1e5, 1e5), device_type="cuda")
@@ -144,6 +148,7 @@ def test_a_clip_bound_that_does_not_fit_does_not_clip_an_infinity():
   assert np.isposinf(np.asarray(out[0, 0])) and float(out[0, 1]) == 1.0
 
 
+@pytest.mark.slow
 def test_a_comparison_with_a_scalar_that_does_not_fit_is_exact():
   fun = jaxamp.autocast(lambda x, w: (x @ w) < 1e5, device_type="cuda")
   assert bool(fun(jnp.array([[65504.0]]), jnp.eye(1)).all())  # 65504 < 1e5, as in torch

@@ -62,6 +62,7 @@ def test_equinox_state_from_autocast_feeds_the_next_autocast_call(device_type, l
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_equinox_state_from_autocast_feeds_a_float32_call(device_type, low):
   model, state = spectral_norm()
   _, state = jaxamp.autocast(eqx_forward, device_type=device_type)(model, X[0], state)
@@ -109,6 +110,7 @@ def test_linen_output_next_to_a_mutable_collection_keeps_the_low_dtype(device_ty
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_linen_collection_created_by_the_call_keeps_the_low_dtype(device_type, low):
   """Intermediates sown by the call are outputs, not state the caller passed in."""
 
@@ -149,6 +151,7 @@ def test_haiku_state_keeps_its_dtype(device_type, low):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_haiku_output_next_to_the_state_keeps_the_low_dtype(device_type, low):
   params, state = haiku_last_hidden.init(jax.random.key(0), X)
   out, _ = jaxamp.autocast(haiku_last_hidden.apply, device_type=device_type)(params, state, None, X)
@@ -176,6 +179,7 @@ class NnxLastHidden(nnx.Module):
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("mode", ["eager", "nnx_jit"])
+@pytest.mark.slow
 def test_nnx_variable_updated_by_a_module_argument_keeps_its_dtype(mode, device_type, low):
   model = NnxLastHidden(nnx.Rngs(0))
   forward = jaxamp.autocast(lambda m, x: m(x), device_type=device_type)

@@ -94,6 +94,7 @@ def _first_float_input(case: dict) -> str:
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow_after_first
 def test_matches_golden_float32(name):
   case = CASES[name]
   expected = case["results"]["none"]
@@ -141,6 +142,7 @@ _LOW_ONLY = sorted(
 
 
 @pytest.mark.parametrize("name", _LOW_ONLY)
+@pytest.mark.slow_after_first
 def test_bfloat16_inputs_give_bfloat16_output(name):
   case = CASES[name]
   out = jax_output(name, "bfloat16")
@@ -219,6 +221,7 @@ def _static_argnums(name: str) -> tuple[int, ...]:
   "fn",
   [functional.mse_loss, functional.l1_loss, functional.smooth_l1_loss, functional.soft_margin_loss],
 )
+@pytest.mark.slow_after_first
 def test_invalid_reduction_raises(fn):
   x = jnp.ones((2, 3))
   with pytest.raises(ValueError, match="reduction"):
@@ -241,6 +244,7 @@ def test_pdist_rejects_non_matrix():
     functional.pdist(jnp.ones((2, 3, 4)))
 
 
+@pytest.mark.slow
 def test_cross_entropy_all_ignored_is_nan():
   x = jnp.zeros((2, 3))
   out = functional.cross_entropy(x, jnp.array([-100, -100]))

@@ -158,6 +158,7 @@ def autocast_apply(module, device_type, **kwargs):
 
 
 @pytest.mark.parametrize("name,device_type,low", output_dtype_cases())
+@pytest.mark.slow_after_first
 def test_layer_output_has_torch_dtype(name, device_type, low):
   module, x = LAYERS[name]
   out = jax.eval_shape(autocast_apply(module, device_type), variable_types(name), x)
@@ -217,6 +218,7 @@ def test_rnn_cell_dots_run_in_the_low_dtype_inside_the_scan(name, device_type, l
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_embedding_lookup_keeps_the_float32_table(device_type, low):
   embed = nn.Embed(32, 16)
   params = embed.init(KEY, TOKENS)
@@ -264,6 +266,7 @@ NORMS = {
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("norm", sorted(NORMS))
+@pytest.mark.slow
 def test_normalization_of_offset_activations_is_accurate(norm, device_type, low):
   model = OffsetDenseThen(NORMS[norm]())
   x = _normal(16, 32)
@@ -341,6 +344,7 @@ def test_batch_norm_evaluation_uses_the_running_statistics(device_type, low):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_batch_norm_param_gradients_are_float32_and_close_to_float32(device_type, low):
   v = bn_variables()
   probe = _normal(*BN_INPUT.shape[:-1], 8, seed=3)
@@ -389,6 +393,7 @@ def mlp(device_type=None, train=True):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_dropout_with_rngs_keeps_the_low_dtype(device_type, low):
   assert mlp(device_type)(mlp_variables(), MLP_INPUT, DROPOUT_KEY).dtype == low
 
@@ -407,6 +412,7 @@ def test_dropout_masks_differ_between_keys(device_type, low):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow_after_first
 def test_dropout_with_deterministic_false_call_argument(device_type, low):
   dropout = nn.Dropout(0.5)
   x = jnp.ones((64,))
@@ -420,6 +426,7 @@ def test_dropout_with_deterministic_false_call_argument(device_type, low):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_static_train_flag_selects_the_behaviour(device_type, low):
   apply = jit(jaxamp.autocast(MLP.apply, device_type=device_type), static_argnames="train")
   evaluated = apply(mlp_variables(), MLP_INPUT, train=False)

@@ -160,6 +160,7 @@ def test_outputs_are_close_to_float32(mode, device_type, low):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_every_dot_and_conv_runs_in_the_low_dtype(device_type, low):
   graphdef, state = nnx.split(new_net())
 
@@ -188,12 +189,14 @@ def test_batch_norm_running_statistics_are_updated(mode, device_type, low):
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_batch_norm_running_statistics_stay_float32(mode, device_type, low):
   _, _, after = run(mode, device_type)
   assert [s.dtype for s in batch_stats(after)] == [F32, F32]
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
 def test_batch_norm_running_statistics_are_close_to_float32(device_type, low):
   _, _, after = run("nnx_jit", device_type)
   _, expected = float32_run()
@@ -225,6 +228,7 @@ def test_consecutive_calls_draw_new_dropout_masks(device_type, low):
 
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow_after_first
 def test_eval_mode_uses_running_statistics_and_no_dropout(device_type, low):
   model = new_net()
   model.eval()
@@ -262,6 +266,7 @@ def test_param_gradients_are_float32_and_close_to_float32(device_type, low):
 
 @pytest.mark.parametrize("device_type,low", POLICIES)
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_module_passed_directly_keeps_batch_norm_statistics(mode, device_type, low):
   model = nnx.BatchNorm(3, momentum=0.5, rngs=nnx.Rngs(0))
   x = X.reshape(-1, 3) + 1.0

@@ -90,6 +90,7 @@ def jaxprs():
   return {v: train_step_jaxpr(v) for v in ("autocast", "jmp")}
 
 
+@pytest.mark.slow
 def test_autocast_converts_no_more_than_the_hand_written_jmp_policy(jaxprs):
   ours, theirs = converts(jaxprs["autocast"]), converts(jaxprs["jmp"])
   assert ours <= theirs, f"autocast: {ours} convert_element_type eqns, jmp: {theirs}"

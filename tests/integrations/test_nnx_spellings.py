@@ -114,6 +114,7 @@ def test_module_as_an_argument_updates_state_like_plain_nnx(model_name, transfor
   )
 
 
+@pytest.mark.slow
 def test_module_as_the_function_runs_under_the_policy():
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   assert jaxamp.autocast(model, device_type="cpu")(X).dtype == BF16

@@ -126,6 +126,7 @@ def test_parts_an_override_does_not_match_run_as_without_overrides():
   assert {i for _, i in matmuls(overridden, None)} == {i for _, i in matmuls(plain)} == {(F16, F16)}
 
 
+@pytest.mark.slow
 def test_none_turns_autocast_off_in_a_module_as_autocast_disabled_does():
   decisions = explained(lm1b_loss, *lm1b_args(), overrides={"encoderdecoderblock_1": None})
   inside = [d for d in decisions if d.override == "encoderdecoderblock_1"]
@@ -360,6 +361,7 @@ def test_a_pattern_matching_nothing_lists_the_nearest_scopes_first():
     jaxamp.autocast(lm1b_loss, device_type="cuda", overrides={"logitdens": None})(*lm1b_args())
 
 
+@pytest.mark.slow
 def test_a_class_whose_call_never_runs_lists_the_classes_that_ran():
   model = equinox_examples.CNN(jax.random.key(0))
   with pytest.raises(ValueError, match=r"MultiheadAttention matches nothing.*Linear"):
@@ -383,6 +385,7 @@ def test_an_equinox_layer_is_matched_by_the_scope_equinox_gives_it():
   assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}
 
 
+@pytest.mark.slow
 def test_an_unknown_nnx_attribute_path_lists_the_submodules():
   model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))
   batch = flax_nnx_mnist.get_fake_batch(8)

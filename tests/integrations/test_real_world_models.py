@@ -391,6 +391,7 @@ def test_norms_compute_their_rsqrt_in_float32(model, policy):
 
 
 @pytest.mark.parametrize("policy", MIXED)
+@pytest.mark.slow_after_first
 def test_equinox_batch_norm_divides_by_a_float32_sqrt(policy):
   """Equinox's BatchNorm computes ``(y - m) / jnp.sqrt(v + eps)``: float32 inside.
 

@@ -123,6 +123,7 @@ def test_linen_step_runs_every_dot_in_the_device_types_autocast_dtype(device_typ
   assert not jaxpr_utils.matmuls_off_dtype(jaxpr, low)
 
 
+@pytest.mark.slow
 def test_linen_step_dtype_overrides_the_device_default():
   jaxpr = jaxpr_utils.traced(
     make_train_step(linen_loss, device_type="cuda", dtype=jnp.bfloat16),
@@ -150,6 +151,7 @@ def test_linen_step_with_autocast_disabled_matches_a_hand_written_step():
   )
 
 
+@pytest.mark.slow
 def test_linen_step_without_a_scaler_trains_unscaled_and_reports_scale_one():
   state, metrics = linen_step(linen_state(optax.sgd(0.1)), device_type="cpu")
   assert (float(metrics["scale"]), bool(metrics["found_inf"]), int(state.step)) == (1.0, False, 1)
@@ -285,6 +287,7 @@ def test_linen_step_rejects_a_loss_function_returning_three_values():
     step(linen_state(optax.sgd(0.1)), BATCH)
 
 
+@pytest.mark.slow
 def test_linen_step_rejects_a_non_scalar_loss():
   step = make_train_step(lambda params, b: MLP().apply({"params": params}, b[0]), enabled=False)
   with pytest.raises(ValueError, match="scalar"):

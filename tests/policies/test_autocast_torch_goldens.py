@@ -587,6 +587,7 @@ def test_not_applicable_ops_have_no_case():
 
 
 @pytest.mark.parametrize("label, mode", PARAMS)
+@pytest.mark.slow_after_first
 def test_dtype_matches_torch_golden(label, mode):
   case, _ = counterpart(label)
   dtype, _ = autocast_output(label, mode)

@@ -42,6 +42,7 @@ def test_printing_a_policy_shows_its_rows_as_the_coverage_table_does():
   assert "| `mm` | lower | primitive `dot_general` |" in text
 
 
+@pytest.mark.slow
 def test_a_torch_op_rule_changes_how_autocast_runs_that_op():
   policy = jaxamp.policy("cuda").with_rules({"softmax": jaxamp.Category.LOWER})
   assert _out_dtype(_softmax_of_matmul, jaxamp.policy("cuda"), X, W) == F32
@@ -98,6 +99,7 @@ def test_a_rule_restating_the_builtin_category_gives_the_builtin_policy():
   assert same == jaxamp.policy("cuda") and hash(same) == hash(jaxamp.policy("cuda"))
 
 
+@pytest.mark.slow
 def test_the_rewrite_cache_hits_for_equal_policies_and_misses_for_different_ones():
   jaxamp.clear_caches()
   fun = lambda x, w: jax.jit(_softmax_of_matmul)(x, w)

@@ -695,6 +695,7 @@ def test_every_discovered_primitive_has_a_recipe_or_a_reasoned_exclusion():
   assert not stale, f"exclusions for primitives JAX no longer exports: {stale}"
 
 
+@pytest.mark.slow
 def test_every_recipe_binds_its_primitive():
   wrong = [
     recipe.id
@@ -766,6 +767,7 @@ def _ragged_inputs(dtype):
     ("low", "scalar type"),
   ],
 )
+@pytest.mark.slow_after_first
 def test_ragged_dot_runs_in_the_low_dtype_like_dot_general(device_type, dtype, inputs, preferred):
   """Operands in the low dtype; the result too, unless the caller fixed preferred_element_type
   (a float32 result of 16-bit inputs), exactly as dot_general's."""
@@ -793,6 +795,7 @@ def test_ragged_dot_runs_in_the_low_dtype_like_dot_general(device_type, dtype, i
 
 
 @pytest.mark.parametrize("device_type", DEVICE_TYPES)
+@pytest.mark.slow
 def test_bias_add_after_ragged_dot_stays_in_the_low_dtype(device_type):
   """An expert layer's bias add belongs to its grouped matmul, as a Dense layer's to its dot."""
   x, w, sizes = _ragged_inputs(None)

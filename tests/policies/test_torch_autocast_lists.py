@@ -704,6 +704,7 @@ def test_cuda_list_categories_are_what_torchs_test_expects():
 
 
 @pytest.mark.parametrize("key, mode", CUDA_PARAMS)
+@pytest.mark.slow_after_first
 def test_cuda_entry_dtype_is_its_lists(key, mode):
   torch_dtype = cuda_category_dtype(key)
   if torch_dtype == "raises":
@@ -716,6 +717,7 @@ def test_cuda_entry_dtype_is_its_lists(key, mode):
 
 
 @pytest.mark.parametrize("key, mode", CUDA_VALUE_PARAMS)
+@pytest.mark.slow_after_first
 def test_cuda_entry_values_are_the_controls(key, mode):
   torch_dtype = cuda_category_dtype(key)
   outputs = autocast_outputs("cuda", key, mode)
@@ -732,6 +734,7 @@ def _torch_result(key: str, mode: str) -> list[str]:
 
 
 @pytest.mark.parametrize("key, mode", CPU_PARAMS)
+@pytest.mark.slow_after_first
 def test_cpu_entry_dtype_is_torchs(key, mode):
   outputs = autocast_outputs("cpu", key, mode)
   expected = [expected_dtype("cpu", key, d) for d in _torch_result(key, mode)]
@@ -739,6 +742,7 @@ def test_cpu_entry_dtype_is_torchs(key, mode):
 
 
 @pytest.mark.parametrize("key, mode", CPU_PARAMS)
+@pytest.mark.slow_after_first
 def test_cpu_entry_values_are_the_controls(key, mode):
   torch_dtype = recorded("cpu")[key]["expect"][mode]
   outputs = autocast_outputs("cpu", key, mode)
@@ -785,6 +789,7 @@ def test_cpu_entry_matches_torch_live(key, mode):
 
 
 @pytest.mark.torch
+@pytest.mark.slow
 def test_golden_file_records_the_installed_torchs_lists():
   module = _recorder()
   for device, lists in module.torch_lists().items():

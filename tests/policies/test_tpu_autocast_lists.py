@@ -247,12 +247,14 @@ def test_every_list_of_torch_xlas_tpu_test_has_a_category_and_its_entries_spelli
 
 
 @pytest.mark.parametrize("key", KEY_PARAMS)
+@pytest.mark.slow_after_first
 def test_entry_dtype_is_its_lists(key):
   outputs = autocast_outputs(key)
   assert dtype_names(outputs) == [expected_dtype(key)] * len(outputs)
 
 
 @pytest.mark.parametrize("key", KEY_PARAMS)
+@pytest.mark.slow_after_first
 def test_entry_values_are_the_controls(key):
   expected = "bfloat16" if key in DIVERGENCES else expected_dtype(key)  # the list's products
   control = control_outputs(key, expected if expected in FLOATS else "float32")
@@ -280,6 +282,7 @@ def test_tpu_autocast_is_available_and_bfloat16_by_default():
   assert jaxamp.get_autocast_dtype("tpu") == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_tpu_takes_float16_with_the_same_lists():
   # torch_xla disables its TPU autocast for float16 (test_autocast_tpu_check_dtype); jaxamp runs
   # the same lists in float16, as it does on every device type.
@@ -304,6 +307,7 @@ def test_tpu_is_the_default_device_type_on_a_tpu_backend(monkeypatch):
   assert out.dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_ops_torch_xla_leaves_unlisted_run_in_their_inputs_dtype():
   # exp, log and sum are on CUDA's float32 list, not torch_xla's; binary_cross_entropy, which
   # CUDA's autocast refuses, is on torch_xla's float32 list.

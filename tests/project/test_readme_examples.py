@@ -40,7 +40,8 @@ def python_blocks(fence: re.Pattern = FENCE) -> list:
     for match in fence.finditer(text):
       line = text.count("\n", 0, match.start(1)) + 1  # the block's first line of code
       document = str(path.relative_to(ROOT))
-      marks = () if path.name == "README.md" else pytest.mark.slow  # the fast subset: README's
+      quickstart = path.name == "README.md" and not params  # the fast subset's one block
+      marks = () if quickstart else pytest.mark.slow
       params.append(
         pytest.param(document, match.group(1), line, marks=marks, id=f"{document}:{line}")
       )

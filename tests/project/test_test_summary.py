@@ -42,6 +42,7 @@ def test_there_is_no_summary_line_when_nothing_was_deselected():
   assert conftest.torch_summary([]) is None
 
 
+@pytest.mark.slow
 def test_a_run_without_torch_ends_with_the_summary_line():
   printed = pytest_in_a_subprocess(
     "--collect-only", SMALL_FILE_WITH_TORCH_COMPARISONS, without_torch=True
@@ -77,3 +78,14 @@ def test_every_test_module_has_tests_in_the_fast_subset():
   collected = {line.split("::", 1)[0] for line in fast.splitlines() if "::" in line}
   modules = {str(path.relative_to(ROOT)) for path in ROOT.glob("tests/**/test_*.py")}
   assert not modules - collected, "test modules with no test outside the slow marker"
+
+
+@pytest.mark.slow  # pytest in a subprocess
+def test_a_test_marked_slow_after_first_keeps_only_its_first_case_in_the_fast_subset():
+  module = "tests/functional/test_functional.py"
+  cases = "test_invalid_reduction_raises["
+  fast = pytest_in_a_subprocess("--collect-only", "-m", "not slow", module)
+  every = pytest_in_a_subprocess("--collect-only", module)
+  assert fast.count(cases) == 1 and every.count(cases) > 1
+  first = next(line for line in every.splitlines() if cases in line)
+  assert first in fast.splitlines()

@@ -99,6 +99,7 @@ def test_explain_rejects_bad_input():
     jaxamp.explain(model, device_type="mps")
 
 
+@pytest.mark.slow
 def test_explain_takes_the_non_array_leaves_autocast_takes():
   class Layer(eqx.Module):
     linear: eqx.nn.Linear

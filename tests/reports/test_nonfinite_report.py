@@ -79,6 +79,7 @@ def test_all_finite_leaf_has_zero_counts_and_its_largest_magnitude():
   assert counts(stats) == (0, 0, 0, 65504.0, 3)
 
 
+@pytest.mark.slow
 def test_max_finite_is_zero_when_no_value_is_finite():
   stats = nonfinite_report(jnp.array([NAN, INF, -INF])).leaves
   assert counts(stats) == (1, 1, 1, 0.0, 3)
@@ -95,6 +96,7 @@ def test_integer_and_bool_leaves_are_finite_with_zero_counts(leaf):
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=str)
+@pytest.mark.slow
 def test_low_precision_leaves_report_max_finite_exactly_in_float32(dtype):
   top = float(jnp.finfo(dtype).max)
   leaf = jnp.array([NAN, INF, -INF, -top, 1.0], dtype)
@@ -117,6 +119,7 @@ def test_float0_gradients_and_prng_keys_count_as_finite():
   assert by_path(nonfinite_report(tree)) == {"f0": (0, 0, 0, 0.0, 3), "key": (0, 0, 0, 0.0, 1)}
 
 
+@pytest.mark.slow
 def test_complex_leaves_count_real_and_imaginary_parts():
   leaf = jnp.array([complex(INF, NAN), complex(-3.0, 4.0)], jnp.complex64)
   assert counts(nonfinite_report(leaf).leaves)[:4] == (1, 1, 0, 4.0)
@@ -128,6 +131,7 @@ def test_empty_leaves_have_zero_counts():
   assert by_path(report) == {"empty": (0, 0, 0, 0.0, 0)} and report.leaves["none"] is None
 
 
+@pytest.mark.slow
 def test_empty_tree_reports_zero_leaves_all_finite():
   for tree in ({}, None, [], ()):
     report = nonfinite_report(tree)
@@ -145,6 +149,7 @@ def test_non_array_leaves_are_left_out():
 # --- totals --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_totals_sum_counts_over_leaves_and_take_the_largest_finite_magnitude():
   report = nonfinite_report(MIXED)
   assert (
@@ -159,6 +164,7 @@ def test_totals_sum_counts_over_leaves_and_take_the_largest_finite_magnitude():
   assert bool(report.any_nonfinite)
 
 
+@pytest.mark.slow
 def test_any_nonfinite_is_false_for_a_finite_tree():
   assert not bool(nonfinite_report({"a": jnp.ones(3), "b": [jnp.zeros(2)]}).any_nonfinite)
 
@@ -182,6 +188,7 @@ def test_leaves_beyond_the_int32_range_are_counted_in_chunks(monkeypatch):
 # --- transformations -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_report_is_returned_from_jit_with_the_eager_values():
   eager, jitted = nonfinite_report(MIXED), jax.jit(nonfinite_report)(MIXED)
   assert isinstance(jitted, NonfiniteReport) and isinstance(jitted.leaves["mixed"], LeafStats)
@@ -270,16 +277,19 @@ def test_paths_join_dict_keys_attribute_names_and_sequence_indices():
   ]
 
 
+@pytest.mark.slow
 def test_a_single_array_has_the_root_path():
   assert nonfinite_report(jnp.array([NAN])).nonfinite_paths() == (".",)
 
 
+@pytest.mark.slow
 def test_nnx_variables_count_as_their_arrays():
   model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
   state = nnx.state(model, nnx.Param)
   assert {path for path, _ in nonfinite_report(state).items()} == {"bias", "kernel"}
 
 
+@pytest.mark.slow
 def test_equinox_paths_name_the_module_fields():
   model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
   paths = {path for path, _ in nonfinite_report(eqx.filter(model, eqx.is_array)).items()}
@@ -303,6 +313,7 @@ def test_printout_lists_nonfinite_leaves_worst_first_ties_by_path():
   ]
 
 
+@pytest.mark.slow
 def test_printout_of_a_finite_tree_is_one_line_with_the_leaf_count():
   report = nonfinite_report({"a": jnp.array([1.0, -250.0]), "b": [jnp.zeros(2), jnp.int32(3)]})
   assert str(report) == "all 3 leaves finite, max finite 250"

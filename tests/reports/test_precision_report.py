@@ -75,6 +75,7 @@ def layered(x, w, layers):
   return h
 
 
+@pytest.mark.slow
 def test_every_primitive_inside_sub_jaxprs_is_reported_with_its_path():
   report = jaxamp.precision_report(layered, device_type="cuda")(X, W, LAYERS)
   paths = {(e.path, e.primitive) for e in report.entries}
@@ -111,6 +112,7 @@ def branchy(x, w):
   return lax.cond(y > 0.5, lambda y: jnp.sin(y), lambda y: jnp.cos(y), y)
 
 
+@pytest.mark.slow
 def test_an_eqn_the_float32_program_did_not_evaluate_has_no_accumulated_error():
   x, w = jnp.full((1, 1), 0.5001), jnp.ones((1, 1))
   report = jaxamp.precision_report(branchy, device_type="cuda")(x, w)

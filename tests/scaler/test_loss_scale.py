@@ -69,6 +69,7 @@ def test_state_is_a_jittable_pytree_whose_hyperparameters_are_static():
   assert tree_bitwise_equal(out, state) and out.growth_factor == 1.1
 
 
+@pytest.mark.slow
 def test_scale_stays_float32_whatever_the_gradient_dtypes():
   params = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.float16)}
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=3.0, growth_interval=1)
@@ -81,6 +82,7 @@ def test_scale_stays_float32_whatever_the_gradient_dtypes():
 # Unscaling.
 
 
+@pytest.mark.slow
 def test_finite_step_passes_unscaled_gradients_to_the_inner_optimizer():
   tx = jaxamp.dynamic_loss_scale(optax.identity(), init_scale=1024.0)
   grads = grads_like(PARAMS, 2048.0, w=((0, 1), -512.0))
@@ -89,6 +91,7 @@ def test_finite_step_passes_unscaled_gradients_to_the_inner_optimizer():
   assert np.array_equal(updates["b"], [2.0, 2.0])
 
 
+@pytest.mark.slow
 def test_unscale_multiplies_by_torch_inverse_float32_of_float64_reciprocal():
   scale = 3.0  # 1/3 is not a float32: torch uses float32(1 / float64(3.0)), then multiplies
   tx = jaxamp.dynamic_loss_scale(optax.identity(), init_scale=scale)
@@ -98,6 +101,7 @@ def test_unscale_multiplies_by_torch_inverse_float32_of_float64_reciprocal():
   np.testing.assert_array_equal(updates["g"], g * torch_inverse)
 
 
+@pytest.mark.slow
 def test_mixed_precision_gradient_leaves_are_unscaled_in_float32_and_keep_their_dtypes():
   params = {
     "f32": jnp.ones(4, jnp.float32),
@@ -116,6 +120,7 @@ def test_mixed_precision_gradient_leaves_are_unscaled_in_float32_and_keep_their_
   assert not state.found_inf
 
 
+@pytest.mark.slow
 def test_huge_scale_whose_inverse_is_subnormal_still_unscales_gradients():
   # 1 / 3e38 is a subnormal float32: XLA:CPU would flush a subnormal operand to zero.
   scale = np.float32(3e38)
@@ -129,6 +134,7 @@ def test_huge_scale_whose_inverse_is_subnormal_still_unscales_gradients():
   )
 
 
+@pytest.mark.slow
 def test_extra_args_are_forwarded_to_the_inner_transform():
   def update(updates, state, params=None, *, factor):
     return jax.tree.map(lambda u: u * factor, updates), state
@@ -145,6 +151,7 @@ def test_extra_args_are_forwarded_to_the_inner_transform():
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.slow
 def test_non_finite_gradient_skips_the_step_with_zero_updates(bad):
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
   updates, state = jitted_update(tx)(grads_like(PARAMS, b=(1, bad)), tx.init(PARAMS), PARAMS)
@@ -165,6 +172,7 @@ def test_skipped_step_leaves_params_and_adam_state_bit_identical():
   assert skipped.inner_state[0].count == 1  # the step count did not advance
 
 
+@pytest.mark.slow
 def test_skipped_step_keeps_negative_zero_params_negative_zero():
   params = {"w": jnp.array([-0.0, 0.0, -1.5])}
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-2))
@@ -173,6 +181,7 @@ def test_skipped_step_keeps_negative_zero_params_negative_zero():
   assert tree_bitwise_equal(optax.apply_updates(params, updates), params)
 
 
+@pytest.mark.slow
 def test_skipped_step_does_not_advance_learning_rate_schedules():
   schedule = optax.linear_schedule(1.0, 0.0, transition_steps=4)
   tx = jaxamp.dynamic_loss_scale(optax.sgd(schedule), init_scale=1.0)
@@ -184,6 +193,7 @@ def test_skipped_step_does_not_advance_learning_rate_schedules():
   assert np.all(np.asarray(updates["b"]) == -1.0)  # -1.0 * the schedule's first value
 
 
+@pytest.mark.slow
 def test_overflow_in_one_float16_leaf_skips_every_leaf():
   params = {"f32": jnp.ones(3), "f16": jnp.ones(3, jnp.float16)}
   grads = {"f32": jnp.ones(3), "f16": jnp.array([1.0, 7e4, 1.0]).astype(jnp.float16)}  # inf
@@ -192,6 +202,7 @@ def test_overflow_in_one_float16_leaf_skips_every_leaf():
   assert state.found_inf and not np.any(np.asarray(updates["f32"]))
 
 
+@pytest.mark.slow
 def test_found_inf_and_skipped_steps_report_the_last_and_all_skips():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
   step = jitted_update(tx)
@@ -204,6 +215,7 @@ def test_found_inf_and_skipped_steps_report_the_last_and_all_skips():
   assert seen == [(False, 0), (True, 1), (True, 2), (False, 2)]
 
 
+@pytest.mark.slow
 def test_skipped_steps_counter_saturates_instead_of_wrapping():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))
   state = tx.init(PARAMS)._replace(skipped_steps=jnp.int32(np.iinfo(np.int32).max))
@@ -211,6 +223,7 @@ def test_skipped_steps_counter_saturates_instead_of_wrapping():
   assert state.skipped_steps == np.iinfo(np.int32).max
 
 
+@pytest.mark.slow
 def test_update_needs_no_host_transfer():
   tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
   step = jitted_update(tx)
@@ -225,6 +238,7 @@ def test_update_needs_no_host_transfer():
 # The scale: back off and growth.
 
 
+@pytest.mark.slow
 def test_overflow_backs_off_the_scale_and_resets_the_growth_tracker():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=1000.0, growth_interval=5)
   step = jitted_update(tx)
@@ -235,6 +249,7 @@ def test_overflow_backs_off_the_scale_and_resets_the_growth_tracker():
   assert state.scale == 500.0 and state.growth_tracker == 0
 
 
+@pytest.mark.slow
 def test_scale_grows_after_growth_interval_consecutive_finite_steps():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0, growth_interval=3)
   step = jitted_update(tx)
@@ -246,6 +261,7 @@ def test_scale_grows_after_growth_interval_consecutive_finite_steps():
   assert history == [(8, 1), (8, 2), (16, 0), (16, 1), (16, 2), (32, 0), (32, 1)]
 
 
+@pytest.mark.slow
 def test_growth_that_would_overflow_float32_keeps_the_old_scale():
   big = float(np.float32(2.0**127))
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=big, growth_interval=1)
@@ -253,6 +269,7 @@ def test_growth_that_would_overflow_float32_keeps_the_old_scale():
   assert state.scale == big and state.growth_tracker == 0
 
 
+@pytest.mark.slow
 def test_backoff_has_no_floor_and_can_reach_zero():
   tiny = float(np.float32(1.4e-45))  # the smallest subnormal float32
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=tiny)
@@ -273,11 +290,13 @@ def overflow_scales(tx, steps):
   return scales
 
 
+@pytest.mark.slow
 def test_repeated_overflows_stop_at_min_scale():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, min_scale=3.0)
   assert overflow_scales(tx, 6) == [32.0, 16.0, 8.0, 4.0, 3.0, 3.0]
 
 
+@pytest.mark.slow
 def test_min_scale_is_reached_exactly_and_kept_by_later_growth_and_backoff():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, min_scale=4.0, growth_interval=1)
   step, state = jitted_update(tx), tx.init(PARAMS)
@@ -289,6 +308,7 @@ def test_min_scale_is_reached_exactly_and_kept_by_later_growth_and_backoff():
   assert state.scale == 4.0
 
 
+@pytest.mark.slow
 def test_min_scale_never_raises_a_scale_set_below_it():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, min_scale=8.0)
   state = jaxamp.scaler.set_scale(tx.init(PARAMS), 2.0)
@@ -350,6 +370,7 @@ def test_min_scale_equal_to_init_scale_is_accepted():
     (3.4028234e38, 0.25),
   ],
 )
+@pytest.mark.slow
 def test_scale_updates_round_the_float64_product_to_float32_like_torch(init_scale, factor):
   grow = factor > 1
   tx = jaxamp.dynamic_loss_scale(
@@ -452,6 +473,7 @@ def test_dynamic_loss_scale_options_are_keyword_only():
 # update: unusual gradients and states.
 
 
+@pytest.mark.slow
 def test_update_with_axis_name_outside_a_mapped_context_names_the_unbound_axis():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), axis_name="data")
   with pytest.raises(NameError, match="unbound axis name: data"):
@@ -477,6 +499,7 @@ def test_update_skips_none_leaves_and_checks_the_others():
   assert new_state.found_inf
 
 
+@pytest.mark.slow
 def test_update_of_zero_size_params_works_and_finds_no_overflow_in_them():
   tx = jaxamp.dynamic_loss_scale(optax.adam(0.1))
   params = {"empty": jnp.ones((0, 4)), "w": jnp.ones(3)}

@@ -91,6 +91,7 @@ def replay(trajectory):
 
 
 @pytest.mark.parametrize("index", range(len(GOLDENS["trajectories"])))
+@pytest.mark.slow
 def test_golden_trajectory_replays_with_bitwise_equal_scales(index):
   replay(GOLDENS["trajectories"][index])
 
@@ -109,12 +110,14 @@ def test_goldens_cover_huge_tiny_and_non_power_of_two_settings():
   assert kinds == {"inf", "-inf", "nan"}
 
 
+@pytest.mark.slow
 def test_live_torch_trajectories_replay_with_bitwise_equal_scales():
   pytest.importorskip("torch")
   for config in recorder.make_configs(per_set=1, seed=7):
     replay(recorder.run_config(config))
 
 
+@pytest.mark.slow
 def test_live_end_to_end_training_matches_torch():
   torch = pytest.importorskip("torch")
   config = dict(

@@ -101,6 +101,7 @@ def test_recipe_multisteps_around_the_scaler_skips_the_whole_accumulated_step_li
     np.testing.assert_allclose(params[name], expected[name], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_multi_steps_micro_steps_leave_negative_zero_params_bit_identical():
   params = {"w": jnp.array([-0.0, 0.0, 2.0])}
   tx = jaxamp.multi_steps(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
@@ -109,6 +110,7 @@ def test_multi_steps_micro_steps_leave_negative_zero_params_bit_identical():
   assert np.asarray(stepped["w"]).tobytes() == np.asarray(params["w"]).tobytes()
 
 
+@pytest.mark.slow
 def test_plain_optax_multisteps_keeps_a_nan_accumulator_after_an_overflow():
   # Why the recipe wraps MultiSteps: without the reset every later window is skipped too.
   tx = optax.MultiSteps(jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0), 2)
@@ -120,6 +122,7 @@ def test_plain_optax_multisteps_keeps_a_nan_accumulator_after_an_overflow():
   assert np.isnan(np.asarray(opt_state.acc_grads["w"])).all()
 
 
+@pytest.mark.slow
 def test_recipe_multisteps_inside_the_scaler_drops_only_the_bad_micro_batch():
   inner = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4).gradient_transformation()
   tx = jaxamp.dynamic_loss_scale(inner, init_scale=8.0)
@@ -138,6 +141,7 @@ def test_recipe_multisteps_inside_the_scaler_drops_only_the_bad_micro_batch():
     np.testing.assert_allclose(params[name], PARAMS[name] - 0.1 * mean[name], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_multisteps_around_the_scaler_matches_torch_gradient_accumulation():
   torch = pytest.importorskip("torch")
   batches = micro_batches(12, bad={5})
@@ -299,6 +303,7 @@ def test_recipe_checkpoint_round_trip_with_state_dict():
   assert jaxamp.scaler.state_dict(restored) == jaxamp.scaler.state_dict(opt_state)
 
 
+@pytest.mark.slow
 def test_recipe_checkpoint_round_trip_with_flax_serialization():
   from flax import serialization
   from flax.training import train_state

@@ -116,6 +116,7 @@ def test_inverse_scale_is_the_float64_reciprocal_rounded_to_float32():
   assert_same_bits(inverse_of(jnp.asarray(scales)), want)
 
 
+@pytest.mark.slow
 def test_inverse_of_every_significand_matches():
   # One binade, every 61st significand: 137k scales covering all the division's chunk patterns.
   scales = (np.arange(2**23, 2**24, 61, dtype=np.float64) * 2.0**-23).astype(np.float32)
@@ -131,12 +132,14 @@ def test_inverse_of_every_significand_matches():
     st.floats(min_value=5e-324, max_value=1e300, allow_subnormal=True),
   ),
 )
+@pytest.mark.slow
 def test_any_scale_times_any_factor_matches_numpy(scale, factor):
   assert_same_bits(multiply([scale], factor), torch_multiply([scale], factor))
 
 
 @settings(max_examples=300, deadline=None)
 @given(scale=st.floats(width=32, allow_nan=True, allow_infinity=True))
+@pytest.mark.slow
 def test_any_inverse_matches_numpy(scale):
   with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
     want = np.float32(1.0 / np.float64(np.float32(scale)))

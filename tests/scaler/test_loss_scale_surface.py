@@ -59,6 +59,7 @@ def unscale_like_torch(case):
 
 
 @pytest.mark.parametrize("case", SURFACE_GOLDENS["unscale"], ids=unscale_id)
+@pytest.mark.slow_after_first
 def test_unscale_returns_torch_unscaled_bits_and_found_inf(case):
   grads, found_inf = unscale_like_torch(case)
   assert found_inf.dtype == jnp.bool_ and found_inf.shape == ()
@@ -185,6 +186,7 @@ def test_clipping_outside_the_wrapper_after_unscale_equals_clipping_inside_it():
   assert state.scale == expected_state.scale and state.growth_tracker == 1
 
 
+@pytest.mark.slow
 def test_update_skips_exactly_when_found_inf_is_true_as_torch_step_after_unscale():
   tx = scaler(optax.sgd(1.0), init_scale=8.0)
   state = tx.init(PARAMS)
@@ -296,6 +298,7 @@ def replay_clip_recipe(recorded):
   assert jaxamp.scaler.state_dict(opt_state) == recorded["state_dict"]
 
 
+@pytest.mark.slow
 def test_unscale_clip_update_replays_torch_unscale_clip_grad_norm_step_update():
   replay_clip_recipe(SURFACE_GOLDENS["clip_recipe"])
 
@@ -309,6 +312,7 @@ def test_clip_recipe_golden_clips_some_steps_and_skips_others():
   assert 3 <= sum(s["found_inf"] for s in steps) < len(steps) // 2
 
 
+@pytest.mark.slow
 def test_unscale_clip_recipe_trained_end_to_end_matches_live_torch():
   pytest.importorskip("torch")
   cfg = dict(recorder.CLIP_CONFIG, seed=5, steps=12)
@@ -510,6 +514,7 @@ def test_getters_work_under_jit_as_static_values():
   assert grow(scaler(init_scale=4.0, growth_factor=3.0).init(PARAMS)) == 12.0
 
 
+@pytest.mark.slow
 def test_set_growth_factor_takes_effect_in_the_next_jitted_update():
   tx = scaler(optax.sgd(0.1), init_scale=10.0, growth_interval=1)
   state = jaxamp.scaler.set_growth_factor(tx.init(PARAMS), 1.1)

@@ -376,6 +376,7 @@ def _nan_steps(n: int):
   return tx.init(PARAMS), params, state, np.asarray(scales)
 
 
+@pytest.mark.slow
 def test_scale_backs_off_to_exactly_zero_after_166_consecutive_overflows():
   _, _, _, scales = _nan_steps(200)
   # 2**16 * 0.5**165 == 2**-149 (the smallest float32); 2**-150 rounds to even: 0.

@@ -59,6 +59,7 @@ def scale_like_torch(case):
 
 
 @pytest.mark.parametrize("case", DTYPE_GOLDENS["single"], ids=case_id)
+@pytest.mark.slow_after_first
 def test_scale_loss_returns_torch_dtype_shape_and_bits(case):
   assert_bitwise_equal(scale_like_torch(case), recorder.decode(case["output"]))
 
@@ -140,6 +141,7 @@ def test_scale_loss_of_an_empty_array_is_empty():
 # --- scale_loss: gradients, disabled scaler -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_scale_loss_scales_the_gradient_and_not_the_scale():
   state = scaler(init_scale=8.0).init(PARAMS)
   grads, grad_of_state = jax.grad(

@@ -161,6 +161,7 @@ class TinyModel(nnx.Module):
     return self.linear(x)
 
 
+@pytest.mark.slow
 def test_nnx_optimizer_with_the_wrapped_optimizer():
   model = TinyModel(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, scaler(init_scale=8.0), wrt=nnx.Param)

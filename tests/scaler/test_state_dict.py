@@ -66,6 +66,7 @@ def test_state_dict_round_trips_with_torch():
 # --- load_state_dict ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_load_state_dict_restores_scale_tracker_and_hyperparameters():
   tx = scaler()
   state = jaxamp.scaler.load_state_dict(
@@ -106,6 +107,7 @@ def test_load_state_dict_keeps_enabled_and_axis_name():
   assert loaded.hyperparams.axis_name == ("data", "model") and loaded.enabled
 
 
+@pytest.mark.slow
 def test_load_state_dict_accepts_a_zero_scale_reached_by_backing_off():
   tx = scaler(optax.sgd(0.1), init_scale=1e-45)
   state = tx.init(PARAMS)
