@@ -9,6 +9,7 @@ upgrade breaks one module, loudly (``tests/project/test_compat.py`` checks each 
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import api_util as _api_util
 from jax._src import core as _core
+from jax._src import dispatch as _dispatch
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
@@ -57,6 +59,7 @@ REQUIRED_INTERNALS = {
   "jax._src.interpreters.ad.CustomVJPException": lambda: _ad.CustomVJPException,
   "jax._src.interpreters.partial_eval.DynamicJaxprTracer": lambda: _pe.DynamicJaxprTracer,
   "jax._src.core.Tracer._contents": lambda: _core.Tracer._contents,
+  "jax._src.dispatch.apply_primitive": lambda: _dispatch.apply_primitive,
 }
 
 
@@ -445,6 +448,74 @@ def platform_identity(name: str, platform: str, lowered: Callable[[Any], Any]) -
   ad.deflinear2(primitive, lambda ct, _: [primitive.bind(ct)])
   batching.defvectorized(primitive)
   return primitive
+
+
+def platform_result_dot(name: str, platform: str) -> Any:
+  """A new primitive: ``dot_general`` (its params, plus ``platform_dtype``), lowered for
+  ``platform`` (``"cpu"``) as the dot with a ``platform_dtype`` result converted to its
+  ``preferred_element_type``, and as the plain dot elsewhere. Nothing is traced per platform,
+  unlike ``lax.platform_dependent``: one eqn, no ``cond``. An optimization barrier sits
+  between that dot and its convert: XLA:CPU drops a float32 -> bfloat16 -> float32 round trip,
+  which would give the float32 result after all. Evaluated eagerly as lowered for the device.
+
+  Bilinear; its transposes are JAX's of ``dot_general`` (plain dots), and under ``vmap`` it is
+  batched as ``dot_general`` is, the batched dots bound as this primitive."""
+  from jax.interpreters import ad, batching, mlir
+
+  primitive = jex_core.Primitive(name)
+
+  def dot(lhs, rhs, *, platform_dtype, **params):
+    return _exported.dot_general_p.bind(lhs, rhs, **params)
+
+  def platform_dot(lhs, rhs, *, platform_dtype, **params):
+    low = dict(params, preferred_element_type=platform_dtype)
+    out = jax.lax.optimization_barrier(_exported.dot_general_p.bind(lhs, rhs, **low))
+    return jax.lax.convert_element_type(out, params["preferred_element_type"])
+
+  def abstract_eval(lhs, rhs, *, platform_dtype, **params):
+    out, _ = _exported.dot_general_p.abstract_eval(lhs, rhs, **params)
+    return out
+
+  def transpose(linear: int) -> Callable[..., Any]:
+    def rule(ct, lhs, rhs, *, platform_dtype, **params):
+      return bilinear_transpose(_exported.dot_general_p, ct, (lhs, rhs), linear, params)
+
+    return rule
+
+  def batch(args, dims, *, platform_dtype, **params):
+    def dots(lhs, rhs):
+      batched = jax.vmap(functools.partial(dot, platform_dtype=None, **params), tuple(dims))
+      return [batched(lhs, rhs)]
+
+    def bind_eqn(eqn, ins):
+      if eqn.primitive is not _exported.dot_general_p:
+        return eqn.primitive.bind(*ins, **eqn.params)
+      return primitive.bind(*ins, **eqn.params, platform_dtype=platform_dtype)
+
+    closed = trace(dots, [typeof(arg) for arg in args])
+    return evaluate(closed, args, bind_eqn), 0
+
+  primitive.def_impl(functools.partial(_dispatch.apply_primitive, primitive))
+  primitive.def_abstract_eval(abstract_eval)
+  mlir.register_lowering(primitive, mlir.lower_fun(dot, multiple_results=False))
+  mlir.register_lowering(
+    primitive, mlir.lower_fun(platform_dot, multiple_results=False), platform=platform
+  )
+  ad.defbilinear(primitive, transpose(0), transpose(1))
+  batching.primitive_batchers[primitive] = batch
+  return primitive
+
+
+def evaluate(closed: ClosedJaxpr, args: Sequence[Any], bind: Callable[[Any, list], Any]) -> Any:
+  """The single output of ``closed``, a jaxpr of one-output eqns, on ``args``, each eqn
+  evaluated as ``bind(eqn, its input values)``."""
+  jaxpr = closed.jaxpr
+  values = dict(zip((*jaxpr.constvars, *jaxpr.invars), (*closed.consts, *args), strict=True))
+  for eqn in jaxpr.eqns:
+    ins = [a.val if is_literal(a) else values[a] for a in eqn.invars]
+    values[eqn.outvars[0]] = bind(eqn, ins)
+  (out,) = jaxpr.outvars
+  return out.val if is_literal(out) else values[out]
 
 
 def bilinear_transpose(primitive, ct, operands: Sequence[Any], linear: int, params) -> Any:

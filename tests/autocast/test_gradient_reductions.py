@@ -10,6 +10,7 @@ forward pass, forward mode, vmap, second derivatives, remat policies and scan ar
 ``weight_grads.disabled()`` gives the old behaviour, for the checks that these tests catch it.
 """
 
+import re
 import textwrap
 
 import cpu_devices
@@ -174,15 +175,19 @@ def loss_of(policy, model=NET):
   return lambda params, x=X: jnp.mean(apply(params, x).astype(jnp.float32) ** 2)
 
 
+# Matmuls: a bfloat16 weight gradient's dot is a cpu_result_dot_p (a dot lowered per platform).
+MATMUL_NAMES = ("dot_general", "conv_general_dilated", weight_grads.cpu_result_dot_p.name)
+
+
 def param_gradient_dtypes(jaxpr, shapes) -> set:
   """Output dtypes of the matmuls and sums that produce a parameter's gradient (an output of
-  one of the parameter ``shapes``, up to a transpose), as run on GPU and TPU: the branches
-  ``lax.platform_dependent`` takes on CPU are skipped (float32 operands there, see weight_grads)."""
+  one of the parameter ``shapes``, up to a transpose), as run on GPU and TPU: a
+  ``cpu_result_dot_p`` with its float32 result (16-bit on CPU only, see weight_grads)."""
   shapes = {tuple(sorted(shape)) for shape in shapes}
   return {
     eqn.outvars[0].aval.dtype
     for eqn in eqns_off_cpu(jaxpr)
-    if eqn.primitive.name in ("dot_general", "conv_general_dilated", "reduce_sum")
+    if eqn.primitive.name in (*MATMUL_NAMES, "reduce_sum")
     and tuple(sorted(eqn.outvars[0].aval.shape)) in shapes
   }
 
@@ -214,7 +219,7 @@ def test_weight_gradient_matmuls_keep_16_bit_operands_off_cpu(policy):
   """The float32 gradient is a float32 *result* of the 16-bit operands (tensor cores)."""
   jaxpr = jax.make_jaxpr(jax.grad(loss_of(policy)))(PARAMS)
   for eqn in eqns_off_cpu(jaxpr):
-    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+    if eqn.primitive.name in MATMUL_NAMES:
       assert {a.aval.dtype for a in eqn.invars} == {LOW[policy]}, eqn
 
 
@@ -230,6 +235,32 @@ def test_weight_gradient_matmuls_keep_their_output_transposes_unfolded_on_cpu(po
   assert weight_grads.unfolded_p in transposed
   assert weight_grads.unfolded_p.name not in step.lower(PARAMS).as_text()
   assert "optimization_barrier" in step.lower(PARAMS).as_text()
+
+
+@pytest.mark.parametrize(("platform", "result"), [("cpu", "bf16"), ("cuda", "f32")])
+def test_bfloat16_weight_gradient_dots_have_16_bit_results_only_when_lowered_for_cpu(
+  platform, result
+):
+  """XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot: lowered for it, a bfloat16
+  weight gradient is a bfloat16-result dot converted to float32; lowered for GPU, a float32-result
+  dot. One jaxpr for both (``cpu_result_dot_p``), with no ``cond`` per weight."""
+  traced = jax.jit(jax.grad(loss_of("cpu", Stack()))).trace(STACK_PARAMS, STACK_X)
+  assert "cond" not in {eqn.primitive.name for _, eqn in walk(traced.jaxpr)}
+  text = traced.lower(lowering_platforms=(platform,)).as_text()
+  dots = re.findall(r"stablehlo\.dot_general .*-> tensor<([0-9x]+)x(\w+)>", text)
+  weight_gradients = [dtype for shape, dtype in dots if shape == "16x16"]  # the two kernels
+  assert weight_gradients == [result, result], dots
+  assert {dtype for shape, dtype in dots if shape != "16x16"} == {"bf16"}, dots
+
+
+def test_bfloat16_weight_gradients_computed_on_cpu_are_the_16_bit_results():
+  """XLA:CPU drops a float32 -> bfloat16 -> float32 round trip: the optimization barrier in
+  ``cpu_result_dot_p``'s CPU lowering keeps the 16-bit result the gradient is made of."""
+  grads = jax.jit(jax.grad(loss_of("cpu", Stack())))(STACK_PARAMS, STACK_X)
+  for kernel in (layer["kernel"] for layer in grads["params"].values()):
+    assert kernel.dtype == jnp.float32
+    rounded = np.asarray(kernel.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(kernel), rounded)
 
 
 @pytest.mark.slow  # compiles many transforms

@@ -68,12 +68,17 @@ def saturating_convert(value, dtype: np.dtype) -> Any:
 
 
 def _saturator(source: np.dtype, dtype: np.dtype):
+  """``value -> `` its cast to ``dtype``, finite values clamped to its range, infinities and NaN
+  kept (``clamp`` keeps NaN). Written in ``lax``, not ``jnp``: it is traced for every float32
+  parameter a deep model casts down."""
   info = jnp.finfo(dtype)
   low, high = _within(info.min, source), _within(info.max, source)
+  inf = np.asarray(np.inf, source)
 
   def saturating_convert_element_type(value):
     clipped = lax.clamp(low, value, high)
-    return lax.convert_element_type(jnp.where(jnp.isinf(value), value, clipped), dtype)
+    infinite = lax.eq(lax.abs(value), inf)
+    return lax.convert_element_type(lax.select(infinite, value, clipped), dtype)
 
   return saturating_convert_element_type
 

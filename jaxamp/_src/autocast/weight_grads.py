@@ -19,9 +19,9 @@ that remat policies look for); its tangent in the cast operand is taken from the
 * for an add (a bias), the float32 tangent broadcast before its cast, so the sum over the batch
   that transposes the broadcast is float32.
 
-On XLA:CPU (a ``lax.platform_dependent`` branch) a bfloat16 weight gradient keeps its 16-bit
-result: XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot, and widens bfloat16
-all-reduces to float32 itself. There, too, the dot's output passes through an optimization
+On XLA:CPU (``cpu_result_dot_p``, a dot lowered per platform) a bfloat16 weight gradient keeps
+its 16-bit result: XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot, and widens
+bfloat16 all-reduces to float32 itself. There, too, the dot's output passes through an optimization
 barrier before it is transposed (``unfolded_p``), which XLA:CPU would fold into a 2x slower
 dot. ``disabled()`` turns all of this off: tests and benchmarks compare with the old behaviour.
 """
@@ -234,42 +234,61 @@ def _transpose_tangent(ct, other, tangent, *, matmul, params, position, low) -> 
   with a float32 result (JAX's transpose of the matmul with ``preferred_element_type``).
 
   For a dot, traced once per signature (``compat.staged``): every layer of a deep model
-  transposes the same few dots, and the bfloat16 one traces both platforms' branches."""
+  transposes the same few dots."""
   if matmul is not prims.dot_general_p:
     return _transposed(matmul, params, position, ct, other, tangent)
+  cpu_dtype = _cpu_result(params, low)
   if any(_explicitly_sharded(x) for x in (ct, other, tangent)):
     # The cached transposes are typed without shardings: JAX's own transpose, traced here.
     transposed = functools.partial(_transposed, matmul, params, position, tangent=tangent)
-    return _by_platform(transposed, params, low, ct, other)
-  key = (matmul, params, position, low, _aval_key(ct), _aval_key(other), _aval_key(tangent))
+    closed = compat.trace(lambda ct, other: [transposed(ct, other)], [_aval(ct), _aval(other)])
+    return _evaluate(closed, (ct, other), bind=functools.partial(_bind_dot, cpu_dtype))
+  key = (matmul, params, position, cpu_dtype, _aval_key(ct), _aval_key(other), _aval_key(tangent))
   return compat.staged(("weight_grads.transpose", *key), lambda: _unfolded_cotangent(*key))(
     ct, other
   )
 
 
-def _unfolded_cotangent(matmul, params, position, low, ct_key, other_key, tangent_key) -> Callable:
-  """``(ct, other) -> `` the cotangent of the cast operand, each matmul's output transpose kept
-  out of the matmul (``unfolded_p``)."""
-
-  def unfolded(ct, other, result_dtype=FLOAT32):
-    closed, outputs = _unfolded_transpose(
-      matmul, params, position, result_dtype, ct_key, other_key, tangent_key
-    )
-    return _evaluate(closed, (ct, other, None), outputs)
-
-  return functools.partial(_by_platform, unfolded, params, low)
-
-
-def _by_platform(transposed: Callable, params, low, ct, other) -> Any:
-  """``transposed(ct, other, result_dtype)`` with a float32 result; on XLA:CPU a bfloat16 weight
-  gradient keeps its 16-bit result: XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot
-  (YNNPACK takes some, its fallback none), and widens bfloat16 all-reduces to float32 itself."""
+def _cpu_result(params, low) -> Any:
+  """The result dtype of a weight gradient's dot on XLA:CPU: a bfloat16 one keeps its 16-bit
+  result (the forward dot's), since XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot
+  (YNNPACK takes some, its fallback none), and widens bfloat16 all-reduces to float32 itself.
+  None: float32, as elsewhere."""
   if low != jnp.bfloat16:
-    return transposed(ct, other, result_dtype=FLOAT32)
-  cpu = functools.partial(transposed, result_dtype=dict(params)["preferred_element_type"])
-  default = functools.partial(transposed, result_dtype=FLOAT32)
-  return lax.platform_dependent(ct, other, cpu=cpu, default=default)
+    return None
+  preferred = dict(params)["preferred_element_type"]
+  cpu_dtype = jnp.dtype(low if preferred is None else preferred)
+  return None if cpu_dtype == FLOAT32 else cpu_dtype
 
+
+def _unfolded_cotangent(matmul, params, position, cpu_dtype, ct_key, other_key, tangent_key):
+  """``(ct, other) -> `` the cotangent of the cast operand, each matmul's output transpose kept
+  out of the matmul (``unfolded_p``); with a ``cpu_dtype``, its dots are ``cpu_result_dot_p``."""
+  bind = None if cpu_dtype is None else functools.partial(_bind_dot, cpu_dtype)
+
+  def unfolded(ct, other):
+    closed, outputs = _unfolded_transpose(matmul, params, position, ct_key, other_key, tangent_key)
+    return _evaluate(closed, (ct, other, None), outputs, bind=bind)
+
+  return unfolded
+
+
+def _bind_dot(cpu_dtype, eqn, ins: Sequence[Any]) -> Any:
+  """``eqn`` bound on ``ins``; a float32-result dot as ``cpu_result_dot_p`` with a ``cpu_dtype``
+  result on XLA:CPU."""
+  if (
+    cpu_dtype is None
+    or eqn.primitive is not prims.dot_general_p
+    or eqn.params["preferred_element_type"] != FLOAT32
+  ):
+    return eqn.primitive.bind(*ins, **eqn.params)
+  return cpu_result_dot_p.bind(*ins, **eqn.params, platform_dtype=cpu_dtype)
+
+
+# dot_general with a float32 result, lowered for XLA:CPU as the dot with a 16-bit result, then
+# converted: one eqn per weight gradient, where ``lax.platform_dependent`` traced both platforms'
+# dots and a ``cond``, which doubled the lowering of a deep model.
+cpu_result_dot_p = compat.platform_result_dot("jaxamp_cpu_result_dot", "cpu")
 
 # The identity, lowered for XLA:CPU as an optimization barrier: XLA:CPU folds a transpose of a
 # dot's output into the dot, whose operands then contract along their leading dims, and YNNPACK
@@ -277,10 +296,10 @@ def _by_platform(transposed: Callable, params, low, ct, other) -> Any:
 unfolded_p = compat.platform_identity("jaxamp_unfolded", "cpu", lax.optimization_barrier)
 
 
-def _transposed(matmul, params, position, ct, other, tangent, result_dtype=FLOAT32) -> Any:
-  """JAX's transpose of the matmul in its cast operand at ``ct``, with a ``result_dtype``
-  result; of ``tangent`` only the type is read."""
-  result_params = dict(params, preferred_element_type=result_dtype)
+def _transposed(matmul, params, position, ct, other, tangent) -> Any:
+  """JAX's transpose of the matmul in its cast operand at ``ct``, with a float32 result; of
+  ``tangent`` only the type is read."""
+  result_params = dict(params, preferred_element_type=FLOAT32)
   return compat.bilinear_transpose(
     matmul, ct, _placed(other, tangent, position), position, result_params
   )
@@ -304,10 +323,10 @@ def _aval_key(value) -> tuple:
 
 
 @caches.lru_cache("weight_grads.unfolded_transposes", maxsize=1024)
-def _unfolded_transpose(matmul, params, position, result_dtype, ct, other, tangent):
+def _unfolded_transpose(matmul, params, position, ct, other, tangent):
   """The cotangent of the cast operand as a jaxpr of ``(ct, other, tangent)``, and the indices
   of its matmuls whose outputs it transposes, to be passed through ``unfolded_p``."""
-  transposed = functools.partial(_transposed, matmul, params, position, result_dtype=result_dtype)
+  transposed = functools.partial(_transposed, matmul, params, position)
   structs = (jax.ShapeDtypeStruct(*key) for key in (ct, other, tangent))
   closed = jax.make_jaxpr(transposed)(*structs)
   producers = {eqn.outvars[0]: index for index, eqn in enumerate(closed.jaxpr.eqns)}
@@ -321,17 +340,16 @@ def _unfolded_transpose(matmul, params, position, result_dtype, ct, other, tange
 
 
 def _evaluate(closed, args: Sequence[Any], unfolded: frozenset = frozenset(), bind=None) -> Any:
-  """The single output of the one-output eqns of ``closed`` on ``args``, each eqn evaluated as
-  ``bind(eqn, its input values)`` (its own ``bind`` by default); the outputs of the eqns at the
-  indices ``unfolded`` pass through ``unfolded_p``."""
-  jaxpr = closed.jaxpr
-  values = dict(zip((*jaxpr.constvars, *jaxpr.invars), (*closed.consts, *args), strict=True))
-  for index, eqn in enumerate(jaxpr.eqns):
-    ins = [a.val if compat.is_literal(a) else values[a] for a in eqn.invars]
+  """``compat.evaluate`` with each eqn bound as ``bind(eqn, its input values)`` (its own
+  ``bind`` by default); the outputs of the eqns at the indices ``unfolded`` pass through
+  ``unfolded_p``."""
+  index_of = {id(eqn): index for index, eqn in enumerate(closed.jaxpr.eqns)}
+
+  def bind_eqn(eqn, ins: list) -> Any:
     out = eqn.primitive.bind(*ins, **eqn.params) if bind is None else bind(eqn, ins)
-    values[eqn.outvars[0]] = unfolded_p.bind(out) if index in unfolded else out
-  (out,) = jaxpr.outvars
-  return out.val if compat.is_literal(out) else values[out]
+    return unfolded_p.bind(out) if index_of[id(eqn)] in unfolded else out
+
+  return compat.evaluate(closed, args, bind_eqn)
 
 
 def _batch_cast_tangent(args, dims, *, matmul, params, position, low) -> tuple[Any, int]:
