@@ -7,8 +7,9 @@ Sections:
   precision  per-op error table of the LM's loss (``precision_report``, float8 vs float32), its
              matmuls' errors against the bfloat16 policy's
   training   the LM and the conv net trained ``--steps`` Adam steps from ``--seeds`` seeds in
-             float32, under the bfloat16 CUDA policy and under float8: float8's final losses must
-             lie within the bfloat16 runs' seed-to-seed spread of them
+             float32, under the bfloat16 CUDA policy and under float8 (e5m2 gradients, and e4m3
+             ones): float8's final losses must lie within the bfloat16 runs' seed-to-seed spread
+             of them
   gpu        the train step's compiled HLO (``__cublas$lt$matmul$f8`` custom calls) and its step
              time against bfloat16 autocast, on an LM where matmuls dominate (target >= 1.3x)
 No timing is asserted: targets are printed as ok / MISSED.
@@ -33,7 +34,13 @@ POLICIES: dict[str, dict | None] = {
   "float32": None,
   "bfloat16": {"device_type": "cuda", "dtype": jnp.bfloat16},
   "float8": {"device_type": "cuda", "dtype": jnp.float8_e4m3fn},
+  # The same with e4m3 gradients (``gradient_dtype``): for the conv net, whose conv gradients
+  # before BatchNorm e5m2 does not resolve (docs/fp8.md).
+  "float8 e4m3 grads": {
+    "policy": jaxamp.policy("cuda", dtype=jnp.float8_e4m3fn, gradient_dtype=jnp.float8_e4m3fn)
+  },
 }
+FLOAT8_POLICIES = ("float8", "float8 e4m3 grads")
 # Small enough for CPU: the training criterion is about numerics, not speed.
 LM_SIZES = dict(layers=1, d_model=64, heads=2, seq=32, batch=8, vocab=128)
 CONV_SIZES = dict(batch=16, features=(8, 16))
@@ -85,9 +92,10 @@ def training_section(seeds: int, steps: int, markdown: bool) -> str:
   rows = []
   for model in TASKS:
     losses = {policy: final_losses(model, policy, seeds, steps) for policy in POLICIES}
-    fp8, bf16 = losses["float8"], losses["bfloat16"]
+    bf16 = losses["bfloat16"]
     for policy, values in losses.items():
-      mark = ("ok" if within_spread(fp8, bf16) else "MISSED") if policy == "float8" else ""
+      within = within_spread(values, bf16)
+      mark = ("ok" if within else "MISSED") if policy in FLOAT8_POLICIES else ""
       rows.append([model, policy, *(f"{v:.4f}" for v in values), f"{np.ptp(values):.4f}", mark])
   headers = ["model", "policy", *(f"seed {s}" for s in range(seeds)), "spread", "in bf16 spread"]
   title = f"training: final loss after {steps} Adam steps"

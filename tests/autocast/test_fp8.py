@@ -149,6 +149,14 @@ def test_gradients_quantize_the_cotangent_to_e5m2():
   assert not matmuls_without_float8_operands(jaxpr)
 
 
+def test_a_policy_with_e4m3_gradients_quantizes_the_cotangent_to_e4m3():
+  policy = jaxamp.policy("cuda", dtype=E4M3, gradient_dtype=jnp.float8_e4m3fn)
+  jaxpr = traced(jax.grad(jaxamp.autocast(mlp_loss, policy=policy)), PARAMS, X)
+  assert converts_to(jaxpr, E5M2) == 0
+  assert converts_to(jaxpr, E4M3) == 4 + 2  # both operands of both matmuls, each cotangent
+  assert not matmuls_without_float8_operands(jaxpr)
+
+
 @pytest.mark.slow
 def test_float32_parameters_get_float32_gradients_from_a_float32_dot():
   jaxpr = traced(jax.grad(fp8_autocast(mlp_loss)), PARAMS, X)
@@ -383,6 +391,30 @@ def test_float8_on_another_device_type_raises(device_type):
     jaxamp.autocast(mlp, device_type=device_type, dtype=jnp.float8_e4m3fn)
 
 
+def test_the_default_float8_policy_has_e5m2_gradients():
+  policy = jaxamp.policy("cuda", dtype=E4M3)
+  assert policy.gradient_dtype == E5M2
+  assert policy == jaxamp.policy("cuda", dtype=E4M3, gradient_dtype=jnp.float8_e5m2)
+  assert repr(policy) == "jaxamp.policy('cuda', dtype=jnp.float8_e4m3fn)"
+
+
+def test_a_policy_with_e4m3_gradients_says_so():
+  policy = jaxamp.policy("cuda", dtype=E4M3, gradient_dtype=jnp.float8_e4m3fn)
+  assert "gradient_dtype=jnp.float8_e4m3fn" in repr(policy)
+  assert policy != jaxamp.policy("cuda", dtype=E4M3)
+
+
+@pytest.mark.parametrize("gradient_dtype", [jnp.bfloat16, jnp.float16, "e5m2", jnp.float32])
+def test_a_gradient_dtype_that_is_not_float8_raises(gradient_dtype):
+  with pytest.raises(ValueError, match="jnp.float8_e5m2 or jnp.float8_e4m3fn"):
+    jaxamp.policy("cuda", dtype=E4M3, gradient_dtype=gradient_dtype)
+
+
+def test_a_gradient_dtype_without_a_float8_dtype_raises():
+  with pytest.raises(ValueError, match="needs dtype=jnp.float8_e4m3fn"):
+    jaxamp.policy("cuda", dtype=jnp.bfloat16, gradient_dtype=jnp.float8_e4m3fn)
+
+
 def test_float8_e5m2_is_not_a_compute_dtype():
   with pytest.raises(ValueError, match="float8_e4m3fn"):
     jaxamp.autocast(mlp, device_type="cuda", dtype=jnp.float8_e5m2)
@@ -438,6 +470,15 @@ def test_the_benchmark_lm_trains_within_the_bfloat16_runs_seed_to_seed_spread():
 
   fp8_losses = bench.final_losses("lm", "float8", SEEDS, STEPS)
   bf16_losses = bench.final_losses("lm", "bfloat16", SEEDS, STEPS)
+  assert bench.within_spread(fp8_losses, bf16_losses), (fp8_losses, bf16_losses)
+
+
+@pytest.mark.slow  # 6 short training runs of the benchmark conv net
+def test_the_benchmark_conv_net_trains_within_the_bfloat16_spread_with_e4m3_gradients():
+  from benchmarks import fp8 as bench
+
+  fp8_losses = bench.final_losses("conv", "float8 e4m3 grads", SEEDS, STEPS)
+  bf16_losses = bench.final_losses("conv", "bfloat16", SEEDS, STEPS)
   assert bench.within_spread(fp8_losses, bf16_losses), (fp8_losses, bf16_losses)
 
 

@@ -9,10 +9,10 @@ needed; elsewhere (XLA:CPU) XLA evaluates it as written. The product comes out i
 16-bit dtype (bfloat16).
 
 The backward pass (a ``jax.custom_vjp``) quantizes the incoming gradient to ``float8_e5m2``
-with its own dynamic scale and multiplies it by the forward's float8 operands, which are the
-saved residuals (a quarter of float32's memory). A float32 operand (a parameter) gets a
-float32 gradient, dequantized and accumulated in float32, as ``weight_grads`` gives the 16-bit
-policies.
+(or the policy's ``gradient_dtype``) with its own dynamic scale and multiplies it by the
+forward's float8 operands, which are the saved residuals (a quarter of float32's memory). A
+float32 operand (a parameter) gets a float32 gradient, dequantized and accumulated in float32,
+as ``weight_grads`` gives the 16-bit policies.
 
 An all-zero tensor gets scale 1; an infinity or NaN anywhere in a tensor makes its scale, and so
 the product, non-finite, so the loss scaler still sees an overflow.
@@ -68,13 +68,20 @@ def dequantize(q, scale, dtype: np.dtype) -> jax.Array:
   return q.astype(dtype) * scale.astype(dtype)
 
 
-def bind(eqn, values: Sequence[Any], out_dtype: np.dtype) -> list[Any]:
+def bind(
+  eqn, values: Sequence[Any], out_dtype: np.dtype, gradient_dtype: np.dtype = E5M2
+) -> list[Any]:
   """``eqn`` (a matmul) on ``values`` (float32, float16 or bfloat16) with float8 operands and an
-  ``out_dtype`` result, through a ``jax.custom_vjp`` cached per signature."""
+  ``out_dtype`` result, its incoming gradient quantized to ``gradient_dtype``, through a
+  ``jax.custom_vjp`` cached per signature."""
   params = dict(eqn.params, preferred_element_type=jnp.dtype(out_dtype))
   dtypes = tuple(jnp.dtype(compat.typeof(v).dtype) for v in values)
-  key = caches.primitive_key(eqn.primitive, params, dtypes)
-  fun = _matmul(eqn.primitive, params, dtypes) if key is None else _cached_matmul(key)
+  gradient_dtype = jnp.dtype(gradient_dtype)
+  key = caches.primitive_key(eqn.primitive, params, (dtypes, gradient_dtype))
+  if key is None:
+    fun = _matmul(eqn.primitive, params, dtypes, gradient_dtype)
+  else:
+    fun = _cached_matmul(key)
   if key is not None and compat.linearizing(values):  # linearized once per signature
     fun = compat.staged(("fp8", key), lambda: fun)
   return [compat.bind_like(eqn, fun, values)]
@@ -82,8 +89,8 @@ def bind(eqn, values: Sequence[Any], out_dtype: np.dtype) -> list[Any]:
 
 @caches.lru_cache("fp8.matmuls", maxsize=1024)
 def _cached_matmul(key: tuple) -> Callable[..., Any]:
-  primitive, params, dtypes = key
-  return _matmul(primitive, dict(params), dtypes)
+  primitive, params, (dtypes, gradient_dtype) = key
+  return _matmul(primitive, dict(params), dtypes, gradient_dtype)
 
 
 class _Typed(NamedTuple):
@@ -92,9 +99,11 @@ class _Typed(NamedTuple):
   aval: Any
 
 
-def _matmul(primitive, params: dict, dtypes: tuple[np.dtype, ...]) -> Callable[..., Any]:
+def _matmul(
+  primitive, params: dict, dtypes: tuple[np.dtype, ...], gradient_dtype: np.dtype
+) -> Callable[..., Any]:
   """The float8 matmul ``primitive(a, b, **params)`` of operands of ``dtypes``, and its float8
-  backward pass."""
+  backward pass, the incoming gradient quantized to ``gradient_dtype``."""
   compute = params["preferred_element_type"]
 
   def forward(a, b):
@@ -108,7 +117,7 @@ def _matmul(primitive, params: dict, dtypes: tuple[np.dtype, ...]) -> Callable[.
     return forward(a, b)[0]
 
   def backward(residuals, g):
-    qg, sg = quantize(g, E5M2, g.dtype)
+    qg, sg = quantize(g, gradient_dtype, g.dtype)
     cotangents = []
     for position, dtype in enumerate(dtypes):
       # A float32 operand's gradient is dequantized and summed in float32.

@@ -366,7 +366,8 @@ def _fp8_matmul(eqn, env: Env, ctx: Context) -> Applied:
   preferred = eqn.params.get("preferred_element_type")
   traced = casting.widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
   explicit = preferred is not None and jnp.dtype(preferred) != traced
-  outs = fp8.bind(eqn, invals, preferred if explicit else ctx.policy.dtype)
+  out_dtype = preferred if explicit else ctx.policy.dtype
+  outs = fp8.bind(eqn, invals, out_dtype, ctx.policy.gradient_dtype)
   return Applied(outs, Ruling(Decider.FP8, Category.LOWER), invals)
 
 

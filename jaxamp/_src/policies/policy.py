@@ -19,6 +19,7 @@ from jaxamp._src.policies import cpu, cuda, edit, tpu, xpu
 from jaxamp._src.policies.table import (
   ELIGIBLE_DTYPES,
   FP8_DTYPES,
+  FP8_GRADIENT_DTYPES,
   LOW_DTYPES,
   Category,
   Table,
@@ -42,6 +43,9 @@ class Policy:
   # float8_e4m3fn: the matmuls the table lists as lower precision run with float8 operands
   # (``autocast/fp8.py``), everything else as the table says with ``dtype`` (bfloat16).
   matmul_dtype: np.dtype | None = None
+  # With a float8 ``matmul_dtype``: the float8 dtype the matmuls' incoming gradients are
+  # quantized to (float8_e5m2 unless chosen).
+  gradient_dtype: np.dtype | None = None
 
   @property
   def device_type(self) -> str:
@@ -96,7 +100,13 @@ class Policy:
   def __repr__(self) -> str:
     changed = len(self.diff()) if self.table is not _TABLES.get(self.device_type) else 0
     rules = f".with_rules(<{changed} changes>)" if changed else ""
-    return f"jaxamp.policy({self.device_type!r}, dtype=jnp.{self.requested_dtype.name}){rules}"
+    gradients = ""
+    if self.gradient_dtype is not None and self.gradient_dtype != FP8_GRADIENT_DTYPES[0]:
+      gradients = f", gradient_dtype=jnp.{self.gradient_dtype.name}"
+    return (
+      f"jaxamp.policy({self.device_type!r}, dtype=jnp.{self.requested_dtype.name}{gradients})"
+      f"{rules}"
+    )
 
   def op_category(self, name: str, default: Category | None) -> Category | None:
     """The category of a named op region; ``default`` for ops the table does not list.
@@ -183,28 +193,47 @@ def canonical_cast_dtype(dtype) -> np.dtype:
   return _canonical(dtype, ELIGIBLE_DTYPES, "cast_inputs")
 
 
-def make_policy(device_type: str | None, dtype, cache_enabled: bool = True) -> Policy:
-  """The policy for ``device_type`` (None: the default backend's) and ``dtype``."""
+def make_policy(
+  device_type: str | None, dtype, cache_enabled: bool = True, gradient_dtype=None
+) -> Policy:
+  """The policy for ``device_type`` (None: the default backend's) and ``dtype``; with a
+  float8 ``dtype``, ``gradient_dtype`` (None: float8_e5m2) for the matmuls' gradients."""
   table = get_table(default_device_type() if device_type is None else device_type)
   low = table.default_dtype if dtype is None else canonical_dtype(dtype)
   if not isinstance(cache_enabled, bool):
     raise TypeError(f"`cache_enabled` must be a bool; got {cache_enabled!r}.")
   if low in FP8_DTYPES:
     _check_fp8(table)
-    return Policy(table, jnp.dtype(jnp.bfloat16), cache_enabled, matmul_dtype=low)
+    gradients = FP8_GRADIENT_DTYPES[0] if gradient_dtype is None else gradient_dtype
+    gradients = _canonical(gradients, FP8_GRADIENT_DTYPES, "gradient_dtype")
+    return Policy(
+      table, jnp.dtype(jnp.bfloat16), cache_enabled, matmul_dtype=low, gradient_dtype=gradients
+    )
+  if gradient_dtype is not None:
+    raise ValueError(
+      "`gradient_dtype` chooses the float8 dtype of the gradients of float8 matmuls: it needs "
+      f"dtype=jnp.float8_e4m3fn; got dtype=jnp.{low.name}, whose gradients are jnp.{low.name}."
+    )
   return Policy(table, low, cache_enabled)
 
 
-def builtin_policy(device_type: str | None = None, dtype=None) -> Policy:
+def builtin_policy(device_type: str | None = None, dtype=None, *, gradient_dtype=None) -> Policy:
   """The built-in autocast policy of ``device_type`` (None: the default backend's) and ``dtype``
   (None: the device type's default), as a value to print, compare or derive others from with
   ``Policy.with_rules``.
 
+  With ``dtype=jnp.float8_e4m3fn``, ``gradient_dtype`` is the float8 dtype the matmuls'
+  incoming gradients are quantized to: ``jnp.float8_e5m2`` (the default, torchao's
+  "tensorwise" recipe: e5m2's range suits gradients) or ``jnp.float8_e4m3fn`` (one more
+  mantissa bit, for gradients that are small differences of large terms, such as a conv's
+  before a BatchNorm; see docs/fp8.md).
+
   Example::
 
     print(jaxamp.policy("cuda"))  # its rows, as in docs/coverage.md
+    fp8 = jaxamp.policy("cuda", dtype=jnp.float8_e4m3fn, gradient_dtype=jnp.float8_e4m3fn)
   """
-  return make_policy(device_type, dtype)
+  return make_policy(device_type, dtype, gradient_dtype=gradient_dtype)
 
 
 # The first CUDA compute capability with float8 tensor cores (Ada; Hopper is 9.0).

@@ -71,6 +71,8 @@ ELIGIBLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp
 LOW_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Float8 autocast (``autocast/fp8.py``): matmuls with float8 operands, everything else bfloat16.
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
+# The float8 dtypes of float8 matmuls' incoming gradients; the first is the default.
+FP8_GRADIENT_DTYPES = (jnp.dtype(jnp.float8_e5m2), jnp.dtype(jnp.float8_e4m3fn))
 
 # Every jax.lax.linalg primitive with floating operands, and fft: JAX has no float16 or bfloat16
 # kernels for most (LAPACK, cuSOLVER and ducc take float32 and float64; lax.fft rejects 16-bit
