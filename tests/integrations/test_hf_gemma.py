@@ -70,7 +70,8 @@ def dots(gemma, **options) -> collections.Counter:
   )
 
 
-@pytest.mark.parametrize("device_type", [pytest.param("cuda", marks=pytest.mark.slow), "cpu"])
+@pytest.mark.slow
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_left_padded_rows_give_finite_logits_close_to_float32(gemma, device_type):
   reference = logits_fn(gemma)(gemma.params, TOKENS, MASK)
   logits = jaxamp.autocast(logits_fn(gemma), device_type=device_type)(gemma.params, TOKENS, MASK)
@@ -79,7 +80,6 @@ def test_left_padded_rows_give_finite_logits_close_to_float32(gemma, device_type
   np.testing.assert_allclose(logits, reference, atol=tolerance * float(jnp.abs(reference).max()))
 
 
-@pytest.mark.slow
 def test_the_tied_lm_head_runs_in_float32_and_every_other_dot_in_float16(gemma):
   assert dots(gemma, overrides={"lm_head": jnp.float32}) == {
     ("lm_head", (F32, F32)): 1,
