@@ -89,17 +89,17 @@ def matmuls_off_dtype(jaxpr, low) -> list:
 
   A matmul runs in ``low`` on ``low`` operands. A float32 result of them (its
   ``preferred_element_type``) is the gradient of a float32 value autocast cast down
-  (``weight_grads``); in the branch taken on CPU its cotangent enters in float32.
+  (``weight_grads``, whose bfloat16 ones are ``jaxamp_cpu_result_dot`` eqns).
   """
   low, f32, off = jnp.dtype(low), jnp.dtype(jnp.float32), []
   for _, eqn in walk(jaxpr):
-    if eqn.primitive.name not in ("dot_general", "conv_general_dilated"):
+    if eqn.primitive.name not in ("dot_general", "conv_general_dilated", "jaxamp_cpu_result_dot"):
       continue
     ins = {_dtype(a) for a in eqn.invars}
     (out,) = (_dtype(v) for v in eqn.outvars)
     if out == low and ins == {low}:
       continue
-    if out == f32 == eqn.params.get("preferred_element_type") and ins in ({low}, {low, f32}):
+    if out == f32 == eqn.params.get("preferred_element_type") and ins == {low}:
       continue
     off.append(eqn)
   return off
