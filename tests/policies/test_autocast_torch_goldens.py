@@ -544,19 +544,34 @@ def _variants() -> list[tuple[str, tuple[str, ...]]]:
   return variants
 
 
+def _uncompared_reason(label: str, mode: str) -> str | None:
+  """Why a case is not compared with torch (torch or JAX rejects its inputs, or only its
+  lowered variant is comparable), or None."""
+  case, _ = counterpart(label)
+  error = case["results"][mode].get("error")
+  if label in TRACED_LOW_DEFAULTS:
+    return TRACED_LOW_DEFAULTS[label]
+  if label in DIRECT_UNSUPPORTED:
+    return DIRECT_UNSUPPORTED[label]
+  return f"torch raises: {error}" if error else None
+
+
 def _params() -> list:
-  params = []
-  for label, modes in _variants():
-    case, _ = counterpart(label)
-    for mode in modes:
-      error = case["results"][mode].get("error")
-      marks = [pytest.mark.skip(reason=f"torch raises: {error}")] if error else []
-      if label in DIRECT_UNSUPPORTED:
-        marks = [pytest.mark.skip(reason=DIRECT_UNSUPPORTED[label])]
-      if label in TRACED_LOW_DEFAULTS:
-        marks = [pytest.mark.skip(reason=TRACED_LOW_DEFAULTS[label] + "; see pinverse@lowered")]
-      params.append(pytest.param(label, mode, marks=marks, id=f"{label}-{mode}"))
-  return params
+  return [
+    pytest.param(label, mode, id=f"{label}-{mode}")
+    for label, modes in _variants()
+    for mode in modes
+    if _uncompared_reason(label, mode) is None
+  ]
+
+
+# (label, mode) -> why it is not compared: each reason is checked by a test of its own below.
+UNCOMPARED = {
+  (label, mode): reason
+  for label, modes in _variants()
+  for mode in modes
+  if (reason := _uncompared_reason(label, mode)) is not None
+}
 
 
 def _family(param) -> tuple:
@@ -584,6 +599,36 @@ def test_every_case_has_a_jax_counterpart():
 
 def test_not_applicable_ops_have_no_case():
   assert not set(NOT_APPLICABLE) & {c["torch_op"] for c in CASES.values()}
+
+
+def _uncompared(kind: str) -> list:
+  return [pytest.param(*key, id="-".join(key)) for key, r in UNCOMPARED.items() if kind in r]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("label, mode", _uncompared("torch raises"))
+def test_torch_still_rejects_the_cases_recorded_with_an_error(label, mode):
+  module = torch_goldens.recorder()
+  case, _ = counterpart(label)
+  recorded = case["results"][mode]["error"]
+  with pytest.raises(Exception) as raised:
+    module.run_case(case["expr"], module.torch_inputs(case["inputs"], mode), mode)
+  assert recorded.startswith(type(raised.value).__name__)
+
+
+@pytest.mark.parametrize("label", sorted(DIRECT_UNSUPPORTED))
+def test_an_op_jax_runs_only_in_float32_raises_on_16_bit_inputs_and_its_lowered_case_is_compared(
+  label,
+):
+  with pytest.raises((TypeError, ValueError)):
+    autocast_output(label, "bfloat16")
+  assert (label + LOWERED, "bfloat16") in {tuple(p.values) for p in PARAMS}
+
+
+@pytest.mark.parametrize("label", sorted(TRACED_LOW_DEFAULTS))
+def test_an_op_whose_defaults_follow_the_traced_dtype_is_compared_lowered(label):
+  assert (label, "bfloat16") in UNCOMPARED
+  assert (label + LOWERED, "bfloat16") in {tuple(p.values) for p in PARAMS}
 
 
 @pytest.mark.parametrize("label, mode", PARAMS)
