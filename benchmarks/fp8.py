@@ -94,8 +94,9 @@ def training_section(seeds: int, steps: int, markdown: bool) -> str:
     losses = {policy: final_losses(model, policy, seeds, steps) for policy in POLICIES}
     bf16 = losses["bfloat16"]
     for policy, values in losses.items():
-      within = within_spread(values, bf16)
-      mark = ("ok" if within else "MISSED") if policy in FLOAT8_POLICIES else ""
+      mark = ""
+      if policy in FLOAT8_POLICIES:
+        mark = "ok" if within_spread(values, bf16) else "MISSED"
       rows.append([model, policy, *(f"{v:.4f}" for v in values), f"{np.ptp(values):.4f}", mark])
   headers = ["model", "policy", *(f"seed {s}" for s in range(seeds)), "spread", "in bf16 spread"]
   title = f"training: final loss after {steps} Adam steps"
