@@ -450,6 +450,28 @@ def platform_identity(name: str, platform: str, lowered: Callable[[Any], Any]) -
   return primitive
 
 
+def unary_primitive(
+  name: str,
+  lowered: Callable[..., Any],
+  abstract_eval: Callable[..., Any],
+  jvp: Callable[..., Any],
+) -> Any:
+  """A new elementwise primitive of one operand: evaluated and lowered as ``lowered(x,
+  **params)``, typed by ``abstract_eval(aval, **params)``, its tangent ``jvp(t, x, **params)``.
+
+  One eqn where ``lowered`` traces several: JAX linearizes a primitive by tracing its JVP rule,
+  so a deep model's many uses of it trace a few eqns each, not all of ``lowered``'s."""
+  from jax.interpreters import ad, batching, mlir
+
+  primitive = jex_core.Primitive(name)
+  primitive.def_impl(functools.partial(_dispatch.apply_primitive, primitive))
+  primitive.def_abstract_eval(abstract_eval)
+  mlir.register_lowering(primitive, mlir.lower_fun(lowered, multiple_results=False))
+  ad.defjvp(primitive, jvp)
+  batching.defvectorized(primitive)
+  return primitive
+
+
 def platform_result_dot(name: str, platform: str) -> Any:
   """A new primitive: ``dot_general`` (its params, plus ``platform_dtype``), lowered for
   ``platform`` (``"cpu"``) as the dot with a ``platform_dtype`` result converted to its

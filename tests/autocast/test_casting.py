@@ -99,10 +99,25 @@ def test_a_saturating_convert_of_a_known_value_is_a_constant_traced_nowhere():
   assert isinstance(out, np.ndarray) and out == -F16_MAX
 
 
-@pytest.mark.slow
-def test_a_saturated_value_passes_no_gradient_and_an_in_range_one_passes_it_unchanged():
-  grad = jax.grad(lambda x: casting.saturating_convert(x, F16).astype(F32).sum())
-  np.testing.assert_array_equal(grad(jnp.array([1e5, 2.0])), [0.0, 1.0])
+def test_a_saturating_convert_differentiates_as_a_cast_whether_or_not_it_clipped():
+  # torch's x.to(float16) passes the gradient back cast, whatever the value: so does the clip.
+  grad = jax.grad(lambda x: (casting.saturating_convert(x, F16).astype(F32) * 3.0).sum())
+  np.testing.assert_array_equal(grad(jnp.array([1e5, 2.0, np.inf])), [3.0, 3.0, 3.0])
+
+
+def test_a_saturating_convert_is_one_eqn_in_the_jaxpr_and_in_its_linearization():
+  jaxpr = jax.make_jaxpr(lambda x: casting.saturating_convert(x, F16))(jnp.ones(3))
+  assert [eqn.primitive for eqn in jaxpr.eqns] == [casting.saturating_convert_p]
+  _, linear = jax.linearize(lambda x: casting.saturating_convert(x, F16), jnp.ones(3))
+  linear_jaxpr = jax.make_jaxpr(linear)(jnp.ones(3))
+  assert [eqn.primitive.name for eqn in linear_jaxpr.eqns] == ["convert_element_type"]
+
+
+def test_a_saturating_convert_clips_under_vmap_and_run_eagerly():
+  x = jnp.array([[1e5, 1.0], [-1e5, np.inf]])
+  expected = np.array([[F16_MAX, 1.0], [-F16_MAX, np.inf]], F16)
+  np.testing.assert_array_equal(jax.vmap(lambda r: casting.saturating_convert(r, F16))(x), expected)
+  np.testing.assert_array_equal(casting.saturating_convert_p.bind(x, new_dtype=F16), expected)
 
 
 # --- convert and as_dtype -------------------------------------------------------------------------

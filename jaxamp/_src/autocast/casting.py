@@ -61,26 +61,49 @@ def saturating_convert(value, dtype: np.dtype) -> Any:
     return convert(value, dtype)
   if not isinstance(value, jax.core.Tracer):  # known now: clipped here, nothing traced
     return saturating_constant(value, dtype)
+  dtype = jnp.dtype(dtype)
   if compat.linearizing([value]):
-    dtype = jnp.dtype(dtype)
-    return compat.staged(("saturate", source, dtype), lambda: _saturator(source, dtype))(value)
-  return _saturator(source, dtype)(value)
+    return compat.staged(("saturate", dtype), lambda: _saturating_converter(dtype))(value)
+  return saturating_convert_p.bind(value, new_dtype=dtype)
 
 
-def _saturator(source: np.dtype, dtype: np.dtype):
-  """``value -> `` its cast to ``dtype``, finite values clamped to its range, infinities and NaN
-  kept (``clamp`` keeps NaN). Written in ``lax``, not ``jnp``: it is traced for every float32
-  parameter a deep model casts down."""
-  info = jnp.finfo(dtype)
-  low, high = _within(info.min, source), _within(info.max, source)
-  inf = np.asarray(np.inf, source)
-
+def _saturating_converter(dtype: np.dtype):
   def saturating_convert_element_type(value):
-    clipped = lax.clamp(low, value, high)
-    infinite = lax.eq(lax.abs(value), inf)
-    return lax.convert_element_type(lax.select(infinite, value, clipped), dtype)
+    return saturating_convert_p.bind(value, new_dtype=dtype)
 
   return saturating_convert_element_type
+
+
+def _saturated(value, *, new_dtype: np.dtype) -> Any:
+  """``value`` in ``new_dtype``, finite values clamped to its range, infinities and NaN kept
+  (``clamp`` keeps NaN)."""
+  low, high = _bounds(compat.typeof(value).dtype, new_dtype)
+  clipped = lax.clamp(low, value, high)
+  infinite = lax.eq(lax.abs(value), np.asarray(np.inf, high.dtype))
+  return lax.convert_element_type(lax.select(infinite, value, clipped), new_dtype)
+
+
+def _saturated_type(aval, *, new_dtype: np.dtype) -> Any:
+  return compat.aval_with_dtype(aval, new_dtype)
+
+
+def _saturated_tangent(tangent, value, *, new_dtype: np.dtype) -> Any:
+  """The tangent converted, clipped values' too: differentiated as the cast it stands for, as
+  torch's ``x.to(dtype)`` is (its gradient is the incoming one cast back, whatever the value)."""
+  return lax.convert_element_type(tangent, new_dtype)
+
+
+def _bounds(source: np.dtype, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+  """``dtype``'s finite range in ``source``, rounded toward zero."""
+  info = jnp.finfo(dtype)
+  return _within(info.min, jnp.dtype(source)), _within(info.max, jnp.dtype(source))
+
+
+# A cast that clips finite values to the 16-bit range: one eqn, where it is traced for every
+# float32 parameter a model casts down (five as ``lax`` ops, linearized call by call).
+saturating_convert_p = compat.unary_primitive(
+  "jaxamp_saturating_convert", _saturated, _saturated_type, _saturated_tangent
+)
 
 
 def _within(bound, source: np.dtype) -> np.ndarray:
