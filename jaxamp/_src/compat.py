@@ -24,6 +24,7 @@ from jax._src import dispatch as _dispatch
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.state import types as _state_types
 from jax.extend import core as jex_core
@@ -60,6 +61,10 @@ REQUIRED_INTERNALS = {
   "jax._src.interpreters.partial_eval.DynamicJaxprTracer": lambda: _pe.DynamicJaxprTracer,
   "jax._src.core.Tracer._contents": lambda: _core.Tracer._contents,
   "jax._src.dispatch.apply_primitive": lambda: _dispatch.apply_primitive,
+  "jax._src.interpreters.mlir._lowerings": lambda: _mlir._lowerings,
+  "jax._src.interpreters.mlir._platform_specific_lowerings": lambda: (
+    _mlir._platform_specific_lowerings
+  ),
 }
 
 
@@ -432,19 +437,20 @@ def bilinear_primitive(
   return primitive
 
 
-def platform_identity(name: str, platform: str, lowered: Callable[[Any], Any]) -> Any:
-  """A new primitive of one operand: the identity, but lowered as ``lowered(x)`` for
-  ``platform`` (``"cpu"``). Linear, elementwise under ``vmap``; nothing is traced per platform,
-  unlike ``lax.platform_dependent``."""
+def platform_identity(name: str, platform: str, barrier: Any) -> Any:
+  """A new primitive of one operand: the identity, but lowered as the one-operand primitive
+  ``barrier`` (``optimization_barrier_p``) for ``platform`` (``"cpu"``). Linear, elementwise
+  under ``vmap``; nothing is traced per platform, unlike ``lax.platform_dependent``."""
   from jax.interpreters import ad, batching, mlir
+
+  def lowered(ctx, x):
+    return lower_as(ctx, barrier, [x], ctx.avals_in, ctx.avals_out)
 
   primitive = jex_core.Primitive(name)
   primitive.def_impl(lambda x: x)
   primitive.def_abstract_eval(lambda aval: aval)
-  mlir.register_lowering(primitive, mlir.lower_fun(lambda x: x, multiple_results=False))
-  mlir.register_lowering(
-    primitive, mlir.lower_fun(lowered, multiple_results=False), platform=platform
-  )
+  mlir.register_lowering(primitive, lambda ctx, x: [x])
+  mlir.register_lowering(primitive, lowered, platform=platform)
   ad.deflinear2(primitive, lambda ct, _: [primitive.bind(ct)])
   batching.defvectorized(primitive)
   return primitive
@@ -452,24 +458,53 @@ def platform_identity(name: str, platform: str, lowered: Callable[[Any], Any]) -
 
 def unary_primitive(
   name: str,
-  lowered: Callable[..., Any],
+  lowering: Callable[..., Sequence[Any]],
   abstract_eval: Callable[..., Any],
   jvp: Callable[..., Any],
 ) -> Any:
-  """A new elementwise primitive of one operand: evaluated and lowered as ``lowered(x,
-  **params)``, typed by ``abstract_eval(aval, **params)``, its tangent ``jvp(t, x, **params)``.
+  """A new elementwise primitive of one operand: lowered by ``lowering(ctx, x, **params)`` (a
+  lowering rule, see ``lower_as``), typed by ``abstract_eval(aval, **params)``, its tangent
+  ``jvp(t, x, **params)``; evaluated eagerly as lowered for the device.
 
-  One eqn where ``lowered`` traces several: JAX linearizes a primitive by tracing its JVP rule,
-  so a deep model's many uses of it trace a few eqns each, not all of ``lowered``'s."""
+  One eqn where ``lax`` ops would be several: JAX linearizes a primitive by tracing its JVP rule,
+  so a deep model's many uses of it trace a few eqns each."""
   from jax.interpreters import ad, batching, mlir
 
   primitive = jex_core.Primitive(name)
   primitive.def_impl(functools.partial(_dispatch.apply_primitive, primitive))
   primitive.def_abstract_eval(abstract_eval)
-  mlir.register_lowering(primitive, mlir.lower_fun(lowered, multiple_results=False))
+  mlir.register_lowering(primitive, lowering)
   ad.defjvp(primitive, jvp)
   batching.defvectorized(primitive)
   return primitive
+
+
+def lower_as(ctx, primitive, args: Sequence[Any], avals_in, avals_out, **params) -> list[Any]:
+  """Emits ``primitive`` on the IR values ``args`` (of types ``avals_in``, giving
+  ``avals_out``) by JAX's own lowering rule for the platform being lowered for, inside the
+  lowering rule whose context is ``ctx``. ``mlir.lower_fun`` would trace a jaxpr per shape."""
+  platforms = ctx.platforms or ctx.module_context.platforms
+  entry = None
+  if len(platforms) == 1:
+    entry = _mlir._platform_specific_lowerings[platforms[0]].get(primitive)
+  entry = entry or _mlir._lowerings[primitive]
+  sub = ctx.replace(primitive=primitive, avals_in=list(avals_in), avals_out=list(avals_out))
+  return list(entry.rule(sub, *args, **params))
+
+
+def lower_convert(ctx, value, aval_in, aval_out) -> Any:
+  """``convert_element_type`` of an IR value from ``aval_in`` to ``aval_out``'s dtype."""
+  (out,) = lower_as(
+    ctx,
+    _exported.convert_element_type_p,
+    [value],
+    [aval_in],
+    [aval_out],
+    new_dtype=aval_out.dtype,
+    weak_type=False,
+    sharding=None,
+  )
+  return out
 
 
 def platform_result_dot(name: str, platform: str) -> Any:
@@ -489,10 +524,17 @@ def platform_result_dot(name: str, platform: str) -> Any:
   def dot(lhs, rhs, *, platform_dtype, **params):
     return _exported.dot_general_p.bind(lhs, rhs, **params)
 
-  def platform_dot(lhs, rhs, *, platform_dtype, **params):
-    low = dict(params, preferred_element_type=platform_dtype)
-    out = jax.lax.optimization_barrier(_exported.dot_general_p.bind(lhs, rhs, **low))
-    return jax.lax.convert_element_type(out, params["preferred_element_type"])
+  def lowered_dot(ctx, lhs, rhs, *, platform_dtype, **params):
+    return lower_as(ctx, _exported.dot_general_p, [lhs, rhs], ctx.avals_in, ctx.avals_out, **params)
+
+  def lowered_platform_dot(ctx, lhs, rhs, *, platform_dtype, **params):
+    (out_aval,) = ctx.avals_out
+    low_aval = aval_with_dtype(out_aval, platform_dtype)
+    low_params = dict(params, preferred_element_type=platform_dtype)
+    dot_general, barrier = _exported.dot_general_p, primitives.optimization_barrier_p
+    (low,) = lower_as(ctx, dot_general, [lhs, rhs], ctx.avals_in, [low_aval], **low_params)
+    (low,) = lower_as(ctx, barrier, [low], [low_aval], [low_aval])
+    return [lower_convert(ctx, low, low_aval, out_aval)]
 
   def abstract_eval(lhs, rhs, *, platform_dtype, **params):
     out, _ = _exported.dot_general_p.abstract_eval(lhs, rhs, **params)
@@ -519,10 +561,8 @@ def platform_result_dot(name: str, platform: str) -> Any:
 
   primitive.def_impl(functools.partial(_dispatch.apply_primitive, primitive))
   primitive.def_abstract_eval(abstract_eval)
-  mlir.register_lowering(primitive, mlir.lower_fun(dot, multiple_results=False))
-  mlir.register_lowering(
-    primitive, mlir.lower_fun(platform_dot, multiple_results=False), platform=platform
-  )
+  mlir.register_lowering(primitive, lowered_dot)
+  mlir.register_lowering(primitive, lowered_platform_dot, platform=platform)
   ad.defbilinear(primitive, transpose(0), transpose(1))
   batching.primitive_batchers[primitive] = batch
   return primitive

@@ -10,9 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.interpreters import mlir
 
 from jaxamp._src import compat
 from jaxamp._src.policies.table import ELIGIBLE_DTYPES, LOW_DTYPES
+
+prims = compat.primitives
 
 
 def is_eligible(dtype) -> bool:
@@ -74,13 +77,22 @@ def _saturating_converter(dtype: np.dtype):
   return saturating_convert_element_type
 
 
-def _saturated(value, *, new_dtype: np.dtype) -> Any:
-  """``value`` in ``new_dtype``, finite values clamped to its range, infinities and NaN kept
-  (``clamp`` keeps NaN)."""
-  low, high = _bounds(compat.typeof(value).dtype, new_dtype)
-  clipped = lax.clamp(low, value, high)
-  infinite = lax.eq(lax.abs(value), np.asarray(np.inf, high.dtype))
-  return lax.convert_element_type(lax.select(infinite, value, clipped), new_dtype)
+def _saturated(ctx, value, *, new_dtype: np.dtype) -> list[Any]:
+  """The lowering: ``value`` in ``new_dtype``, finite values clamped to its range, infinities
+  and NaN kept (``clamp`` keeps NaN): ``convert(select(is_finite(x), clamp(low, x, high), x))``."""
+  (aval,), (out_aval,) = ctx.avals_in, ctx.avals_out
+  low, high = _bounds(aval.dtype, new_dtype)
+  bound = jax.core.ShapedArray((), aval.dtype)
+  mask = aval.update(dtype=np.dtype(bool), weak_type=False)
+  bounds = [mlir.ir_constant(low), mlir.ir_constant(high)]
+  (clipped,) = compat.lower_as(
+    ctx, prims.clamp_p, [bounds[0], value, bounds[1]], [bound, aval, bound], [aval]
+  )
+  (finite,) = compat.lower_as(ctx, prims.is_finite_p, [value], [aval], [mask])
+  (kept,) = compat.lower_as(
+    ctx, prims.select_n_p, [finite, value, clipped], [mask, aval, aval], [aval]
+  )
+  return [compat.lower_convert(ctx, kept, aval, out_aval)]
 
 
 def _saturated_type(aval, *, new_dtype: np.dtype) -> Any:

@@ -293,7 +293,7 @@ cpu_result_dot_p = compat.platform_result_dot("jaxamp_cpu_result_dot", "cpu")
 # The identity, lowered for XLA:CPU as an optimization barrier: XLA:CPU folds a transpose of a
 # dot's output into the dot, whose operands then contract along their leading dims, and YNNPACK
 # does not take that dot: its fallback runs a weight gradient 2x slower.
-unfolded_p = compat.platform_identity("jaxamp_unfolded", "cpu", lax.optimization_barrier)
+unfolded_p = compat.platform_identity("jaxamp_unfolded", "cpu", prims.optimization_barrier_p)
 
 
 def _transposed(matmul, params, position, ct, other, tangent) -> Any:
