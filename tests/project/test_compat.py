@@ -1,9 +1,13 @@
 """Every JAX internal jaxamp uses still exists: an upgrade that removes one fails here, loudly;
 and the JAX behaviours compat.py works around stay worked around."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax._src.interpreters import partial_eval as _pe
 
 from jaxamp._src import compat
 
@@ -22,3 +26,44 @@ def test_an_eager_bind_is_strongly_typed_where_its_trace_is():
   weak, strong = (compat.bind(eqn, [eqn.invars[0].val])[0] for eqn in jaxpr.eqns)
   assert jax.typeof(weak).weak_type
   assert not jax.typeof(strong).weak_type
+
+
+# --- jaxamp's own primitives: lowered by JAX's rules, nothing traced per shape ------------------
+
+
+def _exp_lowering(ctx, x):
+  return compat.lower_as(ctx, compat.primitives.exp_p, [x], ctx.avals_in, ctx.avals_out)
+
+
+exp_like_p = compat.unary_primitive(
+  "test_exp_like", _exp_lowering, lambda aval: aval, lambda t, x: t * jnp.exp(x)
+)
+
+
+def test_a_unary_primitive_runs_eagerly_jitted_and_vmapped_as_its_lowering():
+  x = jnp.arange(6.0).reshape(2, 3) / 4
+  expected = jnp.exp(x)
+  np.testing.assert_allclose(exp_like_p.bind(x), expected, rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(exp_like_p.bind)(x), expected, rtol=1e-6)
+  np.testing.assert_allclose(jax.vmap(exp_like_p.bind)(x), expected, rtol=1e-6)
+
+
+def test_a_unary_primitive_is_differentiated_by_its_jvp():
+  grad = jax.grad(lambda x: exp_like_p.bind(x).sum())(jnp.ones(3))
+  np.testing.assert_allclose(grad, jnp.exp(jnp.ones(3)), rtol=1e-6)
+
+
+def test_lowering_a_primitive_by_lower_as_traces_no_jaxpr():
+  lowered = jax.jit(exp_like_p.bind).trace(jnp.ones((4, 5))).lower  # traced before counting
+  with mock.patch.object(_pe, "trace_to_jaxpr_dynamic", wraps=_pe.trace_to_jaxpr_dynamic) as trace:
+    text = lowered().as_text()
+  assert "exponential" in text and trace.call_count == 0
+
+
+def test_a_platform_identity_is_its_barrier_only_when_lowered_for_its_platform():
+  barrier = compat.primitives.optimization_barrier_p
+  identity_p = compat.platform_identity("test_platform_identity", "cpu", barrier)
+  traced = jax.jit(lambda x: identity_p.bind(x) * 2).trace(jnp.ones(3))
+  assert "optimization_barrier" in traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert "optimization_barrier" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+  np.testing.assert_array_equal(jax.grad(lambda x: identity_p.bind(x).sum())(jnp.ones(3)), 1.0)
