@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from jax.extend import core as jex_core
 
 import jaxamp
+from jaxamp._src.autocast import casting
 
 # The properties are slow (hypothesis: many examples, each traced or compiled) but one: the
 # fast subset traces the cpu policy's plain programs.
@@ -247,6 +248,9 @@ def unwrapped(eqn):
   return inner.replace(invars=eqn.invars[: len(inner.invars)], outvars=eqn.outvars)
 
 
+SATURATING_CONVERT = casting.saturating_convert_p.name  # a parameter's cast to 16 bits
+
+
 def low_precision_bias_adds(jaxpr) -> list:
   """(input dtypes, output dtype) of every ``add(dot_or_conv(...), broadcast(bias))``."""
   found = []
@@ -259,7 +263,7 @@ def low_precision_bias_adds(jaxpr) -> list:
         made_by[a].primitive.name if is_var(a) and a in made_by else None for a in eqn.invars
       ]
       if any(k in LOWER_PRIMITIVES for k in kinds) and any(
-        k in ("broadcast_in_dim", "convert_element_type") for k in kinds
+        k in ("broadcast_in_dim", "convert_element_type", SATURATING_CONVERT) for k in kinds
       ):
         found.append(([a.aval.dtype for a in eqn.invars], eqn.outvars[0].aval.dtype))
   return found
