@@ -214,6 +214,29 @@ def test_parameter_gradients_come_out_of_float32_matmuls_and_sums(policy):
   assert LOW[policy] in param_gradient_dtypes(old, SHAPES)  # what the check catches
 
 
+def test_a_bias_the_add_broadcasts_is_broadcast_in_float32_before_its_cast():
+  """flax's Dense adds a (1, F) bias: broadcast to the output in float32 and then cast, JAX
+  sums its cotangent in float32 itself, with no custom_jvp around the add."""
+  dense = nn.Dense(3)
+  x = jnp.ones((4, 5))
+  params = dense.init(jax.random.key(0), x)
+  apply = jaxamp.autocast(dense.apply, device_type="cuda")
+  loss = lambda params: apply(params, x).astype(jnp.float32).sum()
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params).jaxpr
+  names = [eqn.primitive.name for _, eqn in walk(jaxpr)]
+  assert "custom_jvp_call" not in names
+  made_by = {eqn.outvars[0]: eqn for eqn in jaxpr.eqns}
+  (add,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "add"]
+  cast = next(made_by[a] for a in add.invars if made_by[a].primitive.name != "dot_general")
+  assert cast.primitive.name == "jaxamp_saturating_convert"
+  broadcast = made_by[cast.invars[0]]
+  assert broadcast.primitive.name == "broadcast_in_dim"
+  assert broadcast.outvars[0].aval.dtype == jnp.float32
+  assert broadcast.outvars[0].aval.shape == (4, 3)
+  bias_grad = jax.grad(loss)(params)["params"]["bias"]
+  np.testing.assert_array_equal(bias_grad, np.full(3, 4.0, np.float32))
+
+
 @pytest.mark.parametrize("policy", ["cuda", "cpu"])
 def test_weight_gradient_matmuls_keep_16_bit_operands_off_cpu(policy):
   """The float32 gradient is a float32 *result* of the 16-bit operands (tensor cores)."""

@@ -320,9 +320,7 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
     ):
       out_dtype, bias_dtype = env.dtype(out), env.dtype(bias)
       if out_dtype != bias_dtype and casting.is_eligible(bias_dtype):
-        values = {out: env.read(out), bias: env.cast(bias, out_dtype, saturate=True)}
-        invals = [values[a], values[b]]
-        outs = weight_grads.bind_bias_add(eqn, env, invals)  # a float32 gradient sum
+        outs, invals = weight_grads.bias_add(eqn, env, bias, out_dtype)  # a float32 sum
         return Applied(outs, Ruling(Decider.BIAS_ADD, Category.LOWER), invals)
   return by_category(eqn, env, ctx)
 

@@ -17,7 +17,9 @@ that remat policies look for); its tangent in the cast operand is taken from the
   ``preferred_element_type=float32``, so tensor cores still run it and ``dW`` is not rounded to
   16 bits before it is reduced;
 * for an add (a bias), the float32 tangent broadcast before its cast, so the sum over the batch
-  that transposes the broadcast is float32.
+  that transposes the broadcast is float32. Where the add itself broadcasts the bias (flax's
+  ``(1, F)``), no ``custom_jvp`` is needed: the bias is broadcast in float32 before its cast
+  (``bias_add``); the ``custom_jvp`` is left for a bias that ``vmap`` broadcasts.
 
 On XLA:CPU (``cpu_result_dot_p``, a dot lowered per platform) a bfloat16 weight gradient keeps
 its 16-bit result: XLA:CPU cannot run every bfloat16 x bfloat16 -> float32 dot, and widens
@@ -35,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxamp._src import caches, compat
@@ -86,10 +89,35 @@ def bind(eqn, env: Env, invals: Sequence[Any], params: dict | None = None) -> li
   return _bind(eqn, env, invals, params)
 
 
-def bind_bias_add(eqn, env: Env, invals: Sequence[Any]) -> list[Any]:
-  """``compat.bind(eqn, invals)`` for the add of a bias cast down from float32 to a matmul's
-  output: the bias's gradient, a sum over the batch, is then taken in float32."""
-  return _bind(eqn, env, invals, None)
+def bias_add(eqn, env: Env, bias, dtype: np.dtype) -> tuple[list[Any], list[Any]]:
+  """The add of ``bias`` (an input of ``eqn``: a float32 parameter or constant, cast saturating
+  to ``dtype``) to a matmul's 16-bit output, and the values it was bound on. The bias's
+  gradient, a sum over the batch, is taken in float32:
+
+  * a differentiated bias that the add broadcasts (flax's ``(1, F)``, Equinox's ``(C, 1, 1)``)
+    is broadcast to the output in float32 before its cast, so JAX sums its cotangent in float32;
+  * otherwise (under ``vmap`` with a bias the batch does not vary, where ``vmap`` broadcasts
+    it after the cast) the add goes through ``jax.custom_jvp`` (``_add_tangent``).
+  """
+  high = env.read(bias)
+  shape = eqn.outvars[0].aval.shape
+  if _enabled and compat.traced_now(high) and compat.typeof(high).shape != shape:
+    low = env.casts.convert(_broadcast_staged(high, shape), dtype, saturate=True)
+    invals = [low if atom is bias else env.read(atom) for atom in eqn.invars]
+    return compat.bind(eqn, invals), invals
+  low = env.cast(bias, dtype, saturate=True)
+  invals = [low if atom is bias else env.read(atom) for atom in eqn.invars]
+  return _bind(eqn, env, invals, None), invals
+
+
+def _broadcast_staged(value, shape: tuple[int, ...]) -> Any:
+  """``value`` broadcast to ``shape`` (trailing dims aligned, size-1 dims expanded), staged
+  (``compat.staged``) while linearizing."""
+  dims = tuple(range(len(shape) - compat.typeof(value).ndim, len(shape)))
+  if not compat.linearizing([value]):
+    return lax.broadcast_in_dim(value, shape, dims)
+  broadcast = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=dims)
+  return compat.staged(("weight_grads.bias_broadcast", shape, dims), lambda: broadcast)(value)
 
 
 def _bind(eqn, env: Env, invals: Sequence[Any], params: dict | None) -> list[Any]:
