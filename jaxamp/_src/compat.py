@@ -65,6 +65,7 @@ REQUIRED_INTERNALS = {
   "jax._src.interpreters.mlir._platform_specific_lowerings": lambda: (
     _mlir._platform_specific_lowerings
   ),
+  "jax._src.interpreters.mlir.lower_per_platform": lambda: _mlir.lower_per_platform,
 }
 
 
@@ -481,15 +482,26 @@ def unary_primitive(
 
 def lower_as(ctx, primitive, args: Sequence[Any], avals_in, avals_out, **params) -> list[Any]:
   """Emits ``primitive`` on the IR values ``args`` (of types ``avals_in``, giving
-  ``avals_out``) by JAX's own lowering rule for the platform being lowered for, inside the
+  ``avals_out``) by JAX's own lowering rules, per platform being lowered for, inside the
   lowering rule whose context is ``ctx``. ``mlir.lower_fun`` would trace a jaxpr per shape."""
-  platforms = ctx.platforms or ctx.module_context.platforms
-  entry = None
-  if len(platforms) == 1:
-    entry = _mlir._platform_specific_lowerings[platforms[0]].get(primitive)
-  entry = entry or _mlir._lowerings[primitive]
+  platform_rules = {
+    platform: entry.rule
+    for platform, table in _mlir._platform_specific_lowerings.items()
+    if (entry := table.get(primitive)) is not None
+  }
+  default = _mlir._lowerings.get(primitive)
   sub = ctx.replace(primitive=primitive, avals_in=list(avals_in), avals_out=list(avals_out))
-  return list(entry.rule(sub, *args, **params))
+  return list(
+    _mlir.lower_per_platform(
+      sub,
+      str(primitive),
+      platform_rules,
+      default.rule if default is not None else None,
+      jex_core.no_effects,
+      *args,
+      **params,
+    )
+  )
 
 
 def lower_convert(ctx, value, aval_in, aval_out) -> Any:

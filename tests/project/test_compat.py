@@ -53,6 +53,11 @@ def test_a_unary_primitive_is_differentiated_by_its_jvp():
   np.testing.assert_allclose(grad, jnp.exp(jnp.ones(3)), rtol=1e-6)
 
 
+def test_lower_as_emits_each_platforms_rule_when_lowering_for_several():
+  lower = jax.jit(exp_like_p.bind).trace(jnp.ones(3)).lower
+  assert "exponential" in lower(lowering_platforms=("cpu", "cuda", "tpu")).as_text()
+
+
 def test_lowering_a_primitive_by_lower_as_traces_no_jaxpr():
   lowered = jax.jit(exp_like_p.bind).trace(jnp.ones((4, 5))).lower  # traced before counting
   with mock.patch.object(_pe, "trace_to_jaxpr_dynamic", wraps=_pe.trace_to_jaxpr_dynamic) as trace:
@@ -66,4 +71,6 @@ def test_a_platform_identity_is_its_barrier_only_when_lowered_for_its_platform()
   traced = jax.jit(lambda x: identity_p.bind(x) * 2).trace(jnp.ones(3))
   assert "optimization_barrier" in traced.lower(lowering_platforms=("cpu",)).as_text()
   assert "optimization_barrier" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+  both = traced.lower(lowering_platforms=("cpu", "cuda")).as_text()  # a case per platform
+  assert "optimization_barrier" in both and "stablehlo.case" in both
   np.testing.assert_array_equal(jax.grad(lambda x: identity_p.bind(x).sum())(jnp.ones(3)), 1.0)
