@@ -101,19 +101,18 @@ def bias_add(eqn, env: Env, bias, dtype: np.dtype) -> tuple[list[Any], list[Any]
   """
   high = env.read(bias)
   shape = eqn.outvars[0].aval.shape
-  if _enabled and compat.traced_now(high) and compat.typeof(high).shape != shape:
+  broadcast = _enabled and compat.traced_now(high) and compat.typeof(high).shape != shape
+  if broadcast:
     low = env.casts.convert(_broadcast_staged(high, shape), dtype, saturate=True)
-    invals = [low if atom is bias else env.read(atom) for atom in eqn.invars]
-    return compat.bind(eqn, invals), invals
-  low = env.cast(bias, dtype, saturate=True)
+  else:
+    low = env.cast(bias, dtype, saturate=True)
   invals = [low if atom is bias else env.read(atom) for atom in eqn.invars]
-  return _bind(eqn, env, invals, None), invals
+  return (compat.bind(eqn, invals) if broadcast else _bind(eqn, env, invals, None)), invals
 
 
 def _broadcast_staged(value, shape: tuple[int, ...]) -> Any:
-  """``value`` broadcast to ``shape`` (trailing dims aligned, size-1 dims expanded), staged
-  (``compat.staged``) while linearizing."""
-  dims = tuple(range(len(shape) - compat.typeof(value).ndim, len(shape)))
+  """``_broadcast``, staged (``compat.staged``) while linearizing."""
+  dims = _trailing_dims(compat.typeof(value).ndim, shape)
   if not compat.linearizing([value]):
     return lax.broadcast_in_dim(value, shape, dims)
   broadcast = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=dims)
@@ -209,11 +208,16 @@ def _add_tangent(primitive, params: dict, lows, tangents, cast, out) -> Any:
   return functools.reduce(lax.add, low)
 
 
-def _broadcast(tangent, shape) -> Any:
-  if tangent.shape == shape:
-    return tangent
-  dims = tuple(range(len(shape) - tangent.ndim, len(shape)))
-  return lax.broadcast_in_dim(tangent, shape, dims)
+def _broadcast(value, shape) -> Any:
+  """``value`` broadcast to ``shape``: trailing dims aligned, size-1 dims expanded."""
+  if value.shape == shape:
+    return value
+  return lax.broadcast_in_dim(value, shape, _trailing_dims(value.ndim, shape))
+
+
+def _trailing_dims(ndim: int, shape) -> tuple[int, ...]:
+  """The dims of ``shape`` that an operand of ``ndim`` dims maps to, aligned at the end."""
+  return tuple(range(len(shape) - ndim, len(shape)))
 
 
 _TANGENTS: dict[Any, Callable[..., Any]] = {
