@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -154,24 +155,44 @@ class DynamicLossScaleState(NamedTuple):
 # The transform.
 
 
+# The most leaves one reduction kernel of the finite check reads: XLA:CPU's compile time grows
+# faster than linearly with a kernel's size (500 leaves of a transformer's shapes: 200 of them
+# in one kernel compiled ~1 s slower than in kernels of 8), and the reads are the same either way.
+_CHECK_LEAVES_PER_KERNEL = 8
+
+
 def _tree_found_inf(tree: Any) -> jax.Array:
   """One bool: whether any inexact leaf of ``tree`` holds an Inf or NaN.
 
   ``x * 0`` is 0 where ``x`` is finite and NaN where it is Inf or NaN, so one sum says it for a
-  whole leaf, and the leaves of one size and dtype are summed elementwise first: one reduction
-  (one XLA kernel to compile) per group instead of an ``isfinite`` and an ``all`` per leaf, which
-  XLA:CPU compiled into four kernels a leaf. Each gradient is still read once.
+  whole leaf, and up to ``_CHECK_LEAVES_PER_KERNEL`` leaves of one shape and dtype are summed
+  elementwise first: one reduction (one XLA kernel to compile) per group instead of an
+  ``isfinite`` and an ``all`` per leaf, which XLA:CPU compiled into four kernels a leaf. Each
+  gradient is still read once. Written in ``lax`` (no ``jnp`` wrappers): tracing costs one
+  equation per op, for hundreds of leaves.
   """
-  groups: dict[tuple[Any, int], Any] = {}
+  groups: dict[tuple[Any, tuple[int, ...]], list[jax.Array]] = {}
   for x in jax.tree.leaves(tree):
-    dtype = jnp.result_type(x)
-    if jnp.issubdtype(dtype, jnp.inexact):
-      zeros = jnp.ravel(x) * jnp.zeros([], dtype)
-      key = (dtype, zeros.size)
-      groups[key] = zeros if key not in groups else groups[key] + zeros
-  if not groups:
-    return jnp.array(False)
-  return functools.reduce(jnp.logical_or, [jnp.sum(z) != 0 for z in groups.values()])
+    x = _as_array(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      groups.setdefault((x.dtype, x.shape), []).append(lax.mul(x, _zero(x.dtype)))
+  found = []
+  for zeros in groups.values():
+    for start in range(0, len(zeros), _CHECK_LEAVES_PER_KERNEL):
+      total = functools.reduce(lax.add, zeros[start : start + _CHECK_LEAVES_PER_KERNEL])
+      total = lax.reduce_sum(total, tuple(range(total.ndim)))
+      found.append(lax.ne(total, _zero(total.dtype)))
+  return functools.reduce(lax.bitwise_or, found) if found else jnp.array(False)
+
+
+def _as_array(x: Any) -> jax.Array:
+  """``x`` as a JAX array (a tracer is one already)."""
+  return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def _zero(dtype: Any) -> np.ndarray:
+  """A ``dtype`` zero that ``lax`` ops broadcast: a NumPy scalar, a literal in the jaxpr."""
+  return np.zeros((), dtype)
 
 
 def _tree_unscale(tree: Any, scale: jax.Array) -> Any:
@@ -180,34 +201,52 @@ def _tree_unscale(tree: Any, scale: jax.Array) -> Any:
 
 
 def _unscale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``exact_f64.unscale_factors``' ``(a, b)``, computed once however many leaves use them."""
-  a, b, _ = exact_f64.unscale_factors(scale)
-  return _computed_once(a), _computed_once(b)
+  """``exact_f64.unscale_factors``' ``(a, b)``, computed once however many leaves use them.
 
-
-def _computed_once(x: jax.Array) -> jax.Array:
-  """The float32 ``x`` unchanged, behind an integer division: a boundary XLA does not fuse across.
-
-  XLA fuses cheap scalar producers into every consumer, so the ~100 integer ops of the unscale
-  factors were compiled into each leaf's kernel. It never duplicates an integer division by a
-  non-constant, so they run once, in the division's kernel. ``(bits >> 31) | 1`` is 1 for every
-  float32, which XLA does not know. (``optimization_barrier`` does not do this: XLA:CPU removes
-  it before fusion.)
+  XLA fuses cheap scalar producers into every consumer, so the ~100 integer ops of the factors
+  were compiled into each leaf's kernel. It never duplicates an integer division by a
+  non-constant (``_opaque_identity``), so behind one they run once, in the division's kernel.
+  Both factors go behind the same division: behind one each, XLA compiled the shared integer ops
+  into both kernels. (``optimization_barrier`` does not do this: XLA:CPU removes it before
+  fusion.)
   """
-  bits = lax.bitcast_convert_type(x, jnp.uint32)
-  return lax.bitcast_convert_type(bits // ((bits >> 31) | jnp.uint32(1)), jnp.float32)
+  a, b, _ = exact_f64.unscale_factors(scale)
+  a, b = _opaque_identity(jnp.stack([a, b]), _opaque_one(scale))
+  return a, b
+
+
+_UNSIGNED = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+
+
+def _opaque_one(source: jax.Array) -> jax.Array:
+  """A uint32 1 computed from the float32 scalar ``source``: ``(bits >> 31) | 1`` is 1 for every
+  float32, which XLA does not know, so it folds nothing divided by it."""
+  bits = lax.bitcast_convert_type(source, np.uint32)
+  return lax.bitwise_or(lax.shift_right_logical(bits, np.uint32(31)), np.uint32(1))
+
+
+def _opaque_identity(x: jax.Array, one: jax.Array) -> jax.Array:
+  """``x`` bit for bit, as its bits divided by ``one`` (``_opaque_one``): computed, not an alias
+  of ``x``, and neither folded nor duplicated by XLA. ``x``'s dtype is 8, 16, 32 or 64 bits."""
+  unsigned = _UNSIGNED[jnp.dtype(x.dtype).itemsize * 8]
+  bits = lax.bitcast_convert_type(x, unsigned)
+  return lax.bitcast_convert_type(lax.div(bits, lax.convert_element_type(one, unsigned)), x.dtype)
 
 
 def _tree_unscale_by(tree: Any, factors: tuple[jax.Array, jax.Array]) -> Any:
   """``g * a * b`` (``exact_f64.unscale_factors``) in (at least) float32, cast back per leaf."""
-  a, b = factors
+  in_dtype: dict[Any, tuple[jax.Array, jax.Array]] = {}  # the factors, converted once per dtype
 
   def unscale(g: Any) -> Any:
-    dtype = jnp.result_type(g)
-    if not jnp.issubdtype(dtype, jnp.inexact):
+    g = _as_array(g)
+    if not jnp.issubdtype(g.dtype, jnp.inexact):
       return g
-    compute = jnp.promote_types(dtype, jnp.float32)
-    return (jnp.asarray(g, compute) * a.astype(compute) * b.astype(compute)).astype(dtype)
+    compute = jnp.promote_types(g.dtype, jnp.float32)
+    if compute not in in_dtype:
+      in_dtype[compute] = tuple(lax.convert_element_type(f, compute) for f in factors)
+    a, b = in_dtype[compute]
+    unscaled = lax.mul(lax.mul(lax.convert_element_type(g, compute), a), b)
+    return lax.convert_element_type(unscaled, g.dtype)
 
   return jax.tree.map(unscale, tree)
 
@@ -233,10 +272,8 @@ def _no_op_update(shape: Any) -> jax.Array:
   """The update of a skipped step: -0.0, for ``param + -0.0`` is ``param`` bit for bit (``+0.0``
   would turn a ``-0.0`` parameter into ``+0.0``). Varying over the manual axes ``shape`` varies
   over."""
-  if jnp.issubdtype(shape.dtype, jnp.inexact):
-    update = jnp.full(shape.shape, -0.0, shape.dtype)
-  else:
-    update = jnp.zeros(shape.shape, shape.dtype)
+  fill = -0.0 if jnp.issubdtype(shape.dtype, jnp.inexact) else 0
+  update = lax.full(shape.shape, fill, shape.dtype)
   return _vary_like(update, shape)
 
 
@@ -264,42 +301,39 @@ def _vary_like(x: Any, like: Any) -> Any:
   return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
 
 
-_UNSIGNED = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
 # Leaves smaller than this are left to XLA's copy before the cond: a kernel for each in the
 # skipped branch cost more compile time (a 50-leaf adam step: 1.26x of apply_if_finite's instead
 # of 1.19x) than their copies cost to run.
 _FRESH_FROM_SIZE = 4096
 
 
-def _fresh(x: Any) -> Any:
-  """``x`` bit for bit, computed (``bits // 1``, a 1 XLA cannot see), so not an alias of ``x``.
+def _fresh(x: Any, one: jax.Array) -> Any:
+  """``x`` bit for bit, computed (``_opaque_identity``), so not an alias of ``x``.
 
   A ``lax.cond`` branch that returns its operand unchanged makes XLA copy the operand before the
   cond, on every step: the skipped branch's old inner state was copied (a read and a write of
   every moment) on finite steps too. Computed in the branch, the copy happens only when it runs.
   Small leaves (biases, norms, counts) are left as they are: their copies cost little to run.
   """
-  dtype = jnp.result_type(x)
-  if jnp.issubdtype(dtype, jnp.floating):
-    width = jnp.finfo(dtype).bits
-  elif jnp.issubdtype(dtype, jnp.integer):
-    width = jnp.iinfo(dtype).bits
-  else:  # bool, complex: copied before the cond, as before
-    return x
-  if width not in _UNSIGNED or jnp.size(x) < _FRESH_FROM_SIZE:  # sub-byte types, small leaves
-    return x
-  bits = lax.bitcast_convert_type(x, _UNSIGNED[width])
-  one = (bits >> (width - 1)) | _UNSIGNED[width](1)  # 1 for every value
-  return lax.bitcast_convert_type(bits // one, dtype)
+  x = _as_array(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating) and not jnp.issubdtype(x.dtype, jnp.integer):
+    return x  # bool, complex: copied before the cond
+  if jnp.dtype(x.dtype).itemsize * 8 not in _UNSIGNED or x.size < _FRESH_FROM_SIZE:
+    return x  # sub-byte types, small leaves
+  return _opaque_identity(x, one)
 
 
-def _skip_if(found_inf: jax.Array, do_update: Any, old_state: Any) -> tuple[Any, Any]:
+def _skip_if(
+  found_inf: jax.Array, do_update: Any, old_state: Any, one: jax.Array
+) -> tuple[Any, Any]:
   """``do_update(None)``, or where ``found_inf`` -0.0 updates and ``old_state``: one ``lax.cond``.
 
   The skipped branch needs the shapes of the taken one's outputs. ``lax.cond`` traces its true
   branch first, so the taken branch records them as it is traced, and the inner update is traced
   once (``jax.eval_shape`` traced it a second time); the fallback covers other orders. The
-  skipped branch returns a computed copy of the old state (``_fresh``), not the old state itself.
+  skipped branch returns a computed copy of the old state (``_fresh``, dividing by the opaque
+  ``one``), not the old state itself.
+
   Under ``shard_map`` the branches must agree on the axes each output varies over: a skipped
   step's -0.0 updates vary like the taken step's updates, and each inner state leaf varies
   over the axes of its old and its new value in both branches (sharded gradients make the new
@@ -317,7 +351,7 @@ def _skip_if(found_inf: jax.Array, do_update: Any, old_state: Any) -> tuple[Any,
 
   def skip_update(_: None) -> tuple[Any, Any]:
     out_updates, out_state = traced[0] if traced else jax.eval_shape(do_update, None)
-    inner_state = jax.tree.map(_fresh, old_state)
+    inner_state = jax.tree.map(lambda x: _fresh(x, one), old_state)
     if jax.tree.structure(out_state) == jax.tree.structure(old_state):
       inner_state = jax.tree.map(_vary_like, inner_state, out_state)
     return jax.tree.map(_no_op_update, out_updates), inner_state
@@ -461,7 +495,9 @@ def dynamic_loss_scale(
     # over the parameters' bytes against the cond's 13, adam's 10), but XLA:CPU then recomputes
     # the moments inside the parameter kernel and its vector and scalar loops round them apart:
     # sharded and unsharded steps differed by an ulp. They also compiled 2-4x slower at 500 leaves.
-    new_updates, inner_state = _skip_if(found_inf, do_update, state.inner_state)
+    new_updates, inner_state = _skip_if(
+      found_inf, do_update, state.inner_state, _opaque_one(state.scale)
+    )
     scale, growth_tracker = _next_scale(
       state.scale, state.growth_tracker, found_inf, state.hyperparams
     )
