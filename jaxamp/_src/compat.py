@@ -198,6 +198,17 @@ def staged(key: Any, make: Callable[[], Callable[..., Any]]) -> Callable[..., An
   return fun
 
 
+def call_staged(key: Any, fun: Callable[..., Any], *args: Any) -> Any:
+  """``fun(*args)``; through ``staged(key, ...)`` while linearizing with respect to ``args``.
+
+  ``key`` names ``fun`` (its parameters included): the first ``fun`` given a key is the one
+  staged for it.
+  """
+  if linearizing(args):
+    return staged(key, lambda: fun)(*args)
+  return fun(*args)
+
+
 _MAX_STAGED = 4096
 _staged_functions: dict[Any, Callable[..., Any]] = {}
 _staged_lock = threading.Lock()

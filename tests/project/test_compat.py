@@ -74,3 +74,37 @@ def test_a_platform_identity_is_its_barrier_only_when_lowered_for_its_platform()
   both = traced.lower(lowering_platforms=("cpu", "cuda")).as_text()  # a case per platform
   assert "optimization_barrier" in both and "stablehlo.case" in both
   np.testing.assert_array_equal(jax.grad(lambda x: identity_p.bind(x).sum())(jnp.ones(3)), 1.0)
+
+
+# --- call_staged: one jit per operation while linearizing, a plain call otherwise ---------------
+
+
+def _staged_calls(f, x):
+  """(the value of f(x), the keys compat.staged was asked for while computing it)."""
+  keys = []
+  original = compat.staged
+
+  def recording(key, make):
+    keys.append(key)
+    return original(key, make)
+
+  with mock.patch.object(compat, "staged", recording):
+    return f(x), keys
+
+
+def test_call_staged_calls_the_function_directly_when_not_linearizing():
+  value, keys = _staged_calls(lambda x: compat.call_staged(("test", "sin"), jnp.sin, x), 1.0)
+  np.testing.assert_allclose(value, np.sin(1.0), rtol=1e-6)
+  assert keys == []
+
+
+def test_call_staged_goes_through_one_jit_per_key_while_linearizing():
+  compat.clear_staged()
+  f = lambda x: (
+    compat.call_staged(("test", "sin"), jnp.sin, x)
+    * compat.call_staged(("test", "sin"), jnp.sin, 2 * x)
+  )
+  grad, keys = _staged_calls(jax.grad(f), 1.0)
+  np.testing.assert_allclose(grad, np.cos(1.0) * np.sin(2.0) + 2 * np.sin(1.0) * np.cos(2.0))
+  assert keys == [("test", "sin"), ("test", "sin")]
+  assert compat.staged(("test", "sin"), lambda: None) is compat.staged(("test", "sin"), jnp.cos)

@@ -3,6 +3,7 @@ values finite in a 16-bit dtype, and the cast cache that converts a value at mos
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,16 +66,8 @@ def saturating_convert(value, dtype: np.dtype) -> Any:
   if not isinstance(value, jax.core.Tracer):  # known now: clipped here, nothing traced
     return saturating_constant(value, dtype)
   dtype = jnp.dtype(dtype)
-  if compat.linearizing([value]):
-    return compat.staged(("saturate", dtype), lambda: _saturating_converter(dtype))(value)
-  return saturating_convert_p.bind(value, new_dtype=dtype)
-
-
-def _saturating_converter(dtype: np.dtype):
-  def saturating_convert_element_type(value):
-    return saturating_convert_p.bind(value, new_dtype=dtype)
-
-  return saturating_convert_element_type
+  saturate = functools.partial(saturating_convert_p.bind, new_dtype=dtype)
+  return compat.call_staged(("saturate", dtype), saturate, value)
 
 
 def _saturated(ctx, value, *, new_dtype: np.dtype) -> list[Any]:
@@ -129,10 +122,9 @@ def _within(bound, source: np.dtype) -> np.ndarray:
 
 def convert(value, dtype: np.dtype) -> Any:
   """``lax.convert_element_type``; staged (``compat.staged``) while linearizing."""
-  if compat.linearizing([value]):
-    dtype = jnp.dtype(dtype)
-    return compat.staged(("convert", dtype), lambda: _converter(dtype))(value)
-  return lax.convert_element_type(value, dtype)
+  dtype = jnp.dtype(dtype)
+  cast = functools.partial(lax.convert_element_type, new_dtype=dtype)
+  return compat.call_staged(("convert", dtype), cast, value)
 
 
 def as_dtype(value, dtype: np.dtype | None) -> Any:
@@ -140,13 +132,6 @@ def as_dtype(value, dtype: np.dtype | None) -> Any:
   if dtype is None or compat.typeof(value).dtype == dtype:
     return value
   return convert(value, dtype)
-
-
-def _converter(dtype: np.dtype):
-  def convert_element_type(value):
-    return lax.convert_element_type(value, dtype)
-
-  return convert_element_type
 
 
 class CastCache:

@@ -113,10 +113,8 @@ def bias_add(eqn, env: Env, bias, dtype: np.dtype) -> tuple[list[Any], list[Any]
 def _broadcast_staged(value, shape: tuple[int, ...]) -> Any:
   """``_broadcast``, staged (``compat.staged``) while linearizing."""
   dims = _trailing_dims(compat.typeof(value).ndim, shape)
-  if not compat.linearizing([value]):
-    return lax.broadcast_in_dim(value, shape, dims)
   broadcast = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=dims)
-  return compat.staged(("weight_grads.bias_broadcast", shape, dims), lambda: broadcast)(value)
+  return compat.call_staged(("weight_grads.bias_broadcast", shape, dims), broadcast, value)
 
 
 def _bind(eqn, env: Env, invals: Sequence[Any], params: dict | None) -> list[Any]:
