@@ -2,7 +2,8 @@
 
 ``jaxamp.dynamic_loss_scale(adam)`` against flax's ``DynamicScale`` (its ``value_and_grad`` and a
 ``jnp.where`` select of the new state, as in flax's examples), ``optax.apply_if_finite(adam)``
-and bare ``optax.adam``, on (a) a float32 transformer LM train step (``models.lm_task``) and (b) a
+and bare ``optax.adam``, on (a) a transformer LM train step (``models.lm_task``; float32, or
+float16 under ``--lm-autocast cuda``, which ``run.py`` uses on a GPU) and (b) a
 pure optimizer step (``update`` + ``apply_updates``) on transformer-like parameter trees of 50
 and 500 leaves. Compile time is trace + lower + XLA compile with cold caches, median of
 ``compile_reps`` rounds; the programs alternate within each round, and so do the step timings
@@ -94,10 +95,13 @@ def optimizer_steps(params: Any) -> dict[str, tuple]:
   return out
 
 
-def lm_steps(lm: dict) -> tuple[dict[str, tuple], Any]:
-  """The same for a float32 transformer LM: ``value_and_grad(loss)`` + update."""
+def lm_steps(lm: dict, device_type: str | None = None) -> tuple[dict[str, tuple], Any]:
+  """The same for a transformer LM: ``value_and_grad(loss)`` + update; the loss in float32, or
+  under ``jaxamp.autocast`` for ``device_type`` (``"cuda"``: the float16 train step)."""
   task = models.lm_task(None, **lm)
   loss_fn = lambda p, batch: task.loss(p, task.state, batch)[0]
+  if device_type is not None:
+    loss_fn = jaxamp.autocast(loss_fn, device_type=device_type)
   out = {}
   for name, tx in (
     ("optax.adam", _adam()),
@@ -231,6 +235,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def run(
   *,
   lm: dict | None = None,
+  lm_device_type: str | None = None,
   leaves=(50, 500),
   d: int = 128,
   compile_reps: int = 3,
@@ -242,10 +247,11 @@ def run(
   cases = {}
   opts = dict(compile_reps=compile_reps, rounds=rounds, calls=per_round)
   if lm is not None:
-    steps, params = lm_steps(lm)
+    steps, params = lm_steps(lm, lm_device_type)
     n = len(jax.tree.leaves(params))
-    log(f"  peers: LM train step, {n} leaves")
-    cases[f"LM train step ({n} leaves)"] = measure(steps, params, **opts)
+    what = "LM train step" + (f", autocast {lm_device_type}" if lm_device_type else "")
+    log(f"  peers: {what}, {n} leaves")
+    cases[f"{what} ({n} leaves)"] = measure(steps, params, **opts)
   for n in leaves:
     params = layer_tree(n, d)
     steps = optimizer_steps(params)
@@ -339,11 +345,15 @@ def main(argv=None) -> int:
   p.add_argument("--markdown", action="store_true")
   p.add_argument("--leaves", default="50,500")
   p.add_argument("--no-lm", action="store_true")
+  p.add_argument(
+    "--lm-autocast", default=None, help="the LM's loss under autocast for this device type"
+  )
   args = p.parse_args(argv)
   q = args.quick
   lm = None if args.no_lm else models.lm_sizes(q)
   res = run(
     lm=lm,
+    lm_device_type=args.lm_autocast,
     leaves=tuple(int(n) for n in args.leaves.split(",") if n),
     d=64 if q else 128,
     compile_reps=1 if q else 3,

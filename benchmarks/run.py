@@ -241,6 +241,8 @@ def main(argv=None) -> int:
     summary += bench_scaler.summary_rows(res)
     peers = dict(
       lm=None if args.quick else cfg["lm"],
+      # On a GPU the LM step is the float16 one (forward and backward under autocast "cuda").
+      lm_device_type="cuda" if jax.default_backend() == "gpu" else None,
       leaves=(8,) if args.quick else (50, 500),
       d=16 if args.quick else 128,
       compile_reps=cfg["compile_reps"],

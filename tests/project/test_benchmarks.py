@@ -170,3 +170,19 @@ def test_stablehlo_converts_are_read_from_lowered_text():
   )
   pairs = common.convert_pairs(common.stablehlo_converts(lowered.as_text(debug_info=True)))
   assert pairs == {"f32->bf16": 1, "bf16->f32": 1}
+
+
+def test_the_scaler_peers_lm_step_runs_under_autocast_for_a_gpu_run():
+  from benchmarks import bench_scaler_peers
+
+  lm = dict(layers=1, d_model=32, heads=2, seq=8, batch=2, vocab=32)
+  res = bench_scaler_peers.run(
+    lm=lm, lm_device_type="cuda", leaves=(), compile_reps=1, rounds=1, per_round=1, log=print
+  )
+  (case,) = res["cases"]
+  assert case.startswith("LM train step, autocast cuda")
+  steps, _ = bench_scaler_peers.lm_steps(lm, "cuda")
+  step, opt_state, batch = steps["jaxamp"]
+  params = bench_scaler_peers.models.lm_task(None, **lm).params
+  text = str(jax.make_jaxpr(step)(params, opt_state, batch))
+  assert "f16[" in text  # the forward and backward run in float16
