@@ -12,7 +12,7 @@ Here, before the device call (the wheels the GPU image lacks, into the git-ignor
 On the device machine (the session's ``run`` tool, with ``carry=["wheels"]``):
 
     python scripts/gpu_check.py                  # every step, about 9 minutes at most
-    python scripts/gpu_check.py --steps tests    # some steps: env, install, tests, bench, fp8
+    python scripts/gpu_check.py --steps tests    # some of: env, install, tests, bench, fp8, scaler
 
 Here, to try the plumbing on the CPU with tiny sizes:
 

@@ -173,6 +173,24 @@ def test_skipped_step_leaves_params_and_adam_state_bit_identical():
   assert skipped.inner_state[0].count == 1  # the step count did not advance
 
 
+@pytest.mark.parametrize(
+  "dtype", [jnp.int4, jnp.float8_e4m3fn, jnp.uint16, jnp.bool_, jnp.complex64]
+)
+def test_skipped_step_keeps_large_inner_state_leaves_of_every_width_bit_identical(dtype):
+  # The skipped branch copies big state leaves by integer division of their bits; sub-byte,
+  # bool and complex leaves are kept as they are.
+  old = jnp.asarray(np.arange(5000) % 3, dtype)
+  inner = optax.GradientTransformation(
+    lambda params: old, lambda updates, state, params=None: (updates, state + state)
+  )
+  tx = jaxamp.dynamic_loss_scale(inner)
+  params = {"w": jnp.ones(3)}
+  _, state = jitted_update(tx)({"w": jnp.array([np.inf, 1.0, 1.0])}, tx.init(params), params)
+  assert state.found_inf
+  assert state.inner_state.dtype == old.dtype
+  assert tree_bitwise_equal(state.inner_state, old)
+
+
 @pytest.mark.slow
 def test_skipped_step_keeps_negative_zero_params_negative_zero():
   params = {"w": jnp.array([-0.0, 0.0, -1.5])}

@@ -228,9 +228,19 @@ def _opaque_one(source: jax.Array) -> jax.Array:
 def _opaque_identity(x: jax.Array, one: jax.Array) -> jax.Array:
   """``x`` bit for bit, as its bits divided by ``one`` (``_opaque_one``): computed, not an alias
   of ``x``, and neither folded nor duplicated by XLA. ``x``'s dtype is 8, 16, 32 or 64 bits."""
-  unsigned = _UNSIGNED[jnp.dtype(x.dtype).itemsize * 8]
+  unsigned = _UNSIGNED[_bit_width(x.dtype)]
   bits = lax.bitcast_convert_type(x, unsigned)
   return lax.bitcast_convert_type(lax.div(bits, lax.convert_element_type(one, unsigned)), x.dtype)
+
+
+def _bit_width(dtype: Any) -> int | None:
+  """The bits of a float or integer ``dtype`` (4 for ``int4``, whose items take a byte), or
+  ``None`` for any other kind (bool, complex)."""
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.finfo(dtype).bits
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.iinfo(dtype).bits
+  return None
 
 
 def _tree_unscale_by(tree: Any, factors: tuple[jax.Array, jax.Array]) -> Any:
@@ -316,10 +326,9 @@ def _fresh(x: Any, one: jax.Array) -> Any:
   Small leaves (biases, norms, counts) are left as they are: their copies cost little to run.
   """
   x = _as_array(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating) and not jnp.issubdtype(x.dtype, jnp.integer):
-    return x  # bool, complex: copied before the cond
-  if jnp.dtype(x.dtype).itemsize * 8 not in _UNSIGNED or x.size < _FRESH_FROM_SIZE:
-    return x  # sub-byte types, small leaves
+  # bool, complex, sub-byte types and small leaves: copied before the cond
+  if _bit_width(x.dtype) not in _UNSIGNED or x.size < _FRESH_FROM_SIZE:
+    return x
   return _opaque_identity(x, one)
 
 
