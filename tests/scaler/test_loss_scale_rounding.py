@@ -124,6 +124,16 @@ def test_inverse_of_every_significand_matches():
   assert_same_bits(inverse_of(jnp.asarray(scales)), want)
 
 
+def test_inverse_rounds_to_every_subnormal_precision_as_float64_then_float32_does():
+  # Scales in [2**126, 2**128): inverses with 23 down to 21 significant bits, where the quotient
+  # kept to 26 bits must round as the float64 quotient does.
+  scales = (np.arange(2**23, 2**24, 97, dtype=np.float64) * 2.0**-23).astype(np.float32)
+  scales = np.concatenate([scales * np.float32(2.0**126), scales * np.float32(2.0**127)])
+  want = (1.0 / scales.astype(np.float64)).astype(np.float32)
+  assert (want <= np.finfo(np.float32).tiny).all()  # 2**-126 itself is the smallest normal
+  assert_same_bits(inverse_of(jnp.asarray(scales)), want)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
   scale=st.floats(width=32, allow_nan=True, allow_infinity=True),

@@ -4,10 +4,12 @@ torch's ``GradScaler`` multiplies its float32 scale by float64 factors in C++:
 ``static_cast<float>(float * double)``, i.e. the exact product rounded to float64 and then to
 float32 (two roundings); its inverse scale is ``scale.double().reciprocal().float()``. Products
 with non-power-of-two factors (0.3, 1.1) must round exactly that way. Without ``jax_enable_x64``
-there is no float64 inside ``jit``, so ``mul_f32_f64`` and ``_reciprocal_parts`` form the exact
-product (in 12-bit limbs) or quotient (by long division) in scalar uint32 arithmetic and
-``_f64_to_f32`` applies both roundings. Integer ops are exact on every backend; float error-free
-transformations (Dekker, TwoSum) are not safe where XLA contracts ``a * b + c`` into an FMA.
+there is no float64 inside ``jit``, so ``mul_f32_f64`` forms the exact product in 12-bit limbs
+and rounds it to float64, and ``_reciprocal_magnitude_bits`` the quotient by long division. Both
+are then kept to 26 or 27 bits rounded to odd, from which ``_round_to_float32_bits`` rounds to
+float32 (normal or subnormal) as the exact value would round. Integer ops are exact on every
+backend; float error-free transformations (Dekker, TwoSum) are not safe where XLA contracts
+``a * b + c`` into an FMA. Written in ``lax``: each op traces once per step, not a ``jnp`` wrapper.
 """
 
 from __future__ import annotations
@@ -16,78 +18,89 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# A float64 significand D (53 bits, 2**52 <= D <= 2**53) is held as two words,
-# D = hi * 2**29 + lo with lo < 2**29, next to a binary exponent: the value is D * 2**exponent.
-
 _F32_INF_BITS = 0x7F800000
-_LO_BITS = 29
+_F32_SIGN_BIT = 0x80000000
 
 
-def _u32(x: Any) -> jax.Array:
-  return jnp.asarray(x, jnp.uint32)
+def _u(value: Any) -> Any:
+  """``value`` as a uint32 operand: arrays as they are, Python ints as NumPy literals."""
+  return np.uint32(value) if isinstance(value, int) else value
+
+
+def _shl(x: jax.Array, n: Any) -> jax.Array:
+  return lax.shift_left(x, _u(n))
+
+
+def _shr(x: jax.Array, n: Any) -> jax.Array:
+  return lax.shift_right_logical(x, _u(n))
+
+
+def _and(x: jax.Array, y: Any) -> jax.Array:
+  return lax.bitwise_and(x, _u(y))
+
+
+def _or(x: jax.Array, y: Any) -> jax.Array:
+  return lax.bitwise_or(x, _u(y))
+
+
+def _nonzero(x: jax.Array) -> jax.Array:
+  """1 where the uint32 ``x`` is not 0, else 0 (a sticky bit)."""
+  return lax.convert_element_type(lax.ne(x, np.uint32(0)), np.uint32)
+
+
+def _to_int(x: jax.Array) -> jax.Array:
+  return lax.convert_element_type(x, np.int32)
 
 
 def _decompose_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(m, e)``, ``|x| = m * 2**e`` with the uint32 ``m`` in ``[2**23, 2**24)`` (finite x != 0)."""
-  u = lax.bitcast_convert_type(x, jnp.uint32)
-  biased = (u >> 23) & 0xFF
-  frac = u & 0x7FFFFF
-  normal = biased > 0
-  m = jnp.where(normal, frac | 0x800000, frac)
-  e = jnp.where(normal, biased.astype(jnp.int32) - 150, -149)
-  shift = jnp.maximum(lax.clz(m).astype(jnp.int32) - 8, 0)  # normalises subnormals
-  return m << shift.astype(jnp.uint32), e - shift
+  u = lax.bitcast_convert_type(x, np.uint32)
+  biased = _and(_shr(u, 23), 0xFF)
+  frac = _and(u, 0x7FFFFF)
+  m = lax.select(lax.gt(biased, np.uint32(0)), _or(frac, 0x800000), frac)
+  e = lax.sub(_to_int(lax.max(biased, np.uint32(1))), np.int32(150))  # -149 for subnormals
+  shift = lax.sub(lax.clz(m), np.uint32(8))  # normalises subnormals
+  return _shl(m, shift), lax.sub(e, _to_int(shift))
 
 
-def _round_half_even(
-  hi: jax.Array, lo: jax.Array, guard: jax.Array, sticky: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-  """Rounds ``hi * 2**29 + lo`` (plus a guard bit and a sticky bit below it) to nearest even."""
-  up = (guard != 0) & ((sticky != 0) | ((lo & 1) != 0))
-  lo = lo + up.astype(jnp.uint32)
-  return hi + (lo >> _LO_BITS), lo & ((1 << _LO_BITS) - 1)
+def _round_to_float32_bits(q: jax.Array, exponent: jax.Array) -> jax.Array:
+  """The bits of ``q * 2**exponent`` rounded to the nearest float32 (ties to even), or inf.
 
-
-def _f64_to_f32(hi: jax.Array, lo: jax.Array, exponent: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Rounds the float64 ``(hi * 2**29 + lo) * 2**exponent`` to float32, ties to even.
-
-  float64's exponent range is treated as unbounded: where it is not (below 2**-1022, above
-  2**1024), float32 gives 0 or inf all the same. Returns the float32 significand ``m`` (at most
-  2**24) and biased exponent ``field``; the float32's bits are ``(field << 23) + m`` (a rounding
-  carry of ``m`` moves into the exponent by itself).
+  ``q`` holds 26 or 27 bits rounded to odd (its last bit set wherever bits below it were
+  dropped), at least two more than any float32 keeps: rounding it gives what rounding the exact
+  value gives. Keeps 24 bits, or fewer down to float32's last subnormal bit ``2**-149``.
   """
-  carry = hi >> 24  # D == 2**53
-  hi = jnp.where(carry > 0, _u32(1 << 23), hi)
-  exponent = exponent + carry.astype(jnp.int32)
-  # Bits lost below float32's 24 when the result is subnormal (its last bit is 2**-149).
-  k = jnp.clip(-126 - (exponent + 52), 0, 25).astype(jnp.uint32)
-  km1 = jnp.maximum(k, 1) - 1
-  m = hi >> k
-  guard = jnp.where(k == 0, lo >> (_LO_BITS - 1), hi >> km1) & 1
-  sticky = jnp.where(
-    k == 0,
-    (lo & ((1 << (_LO_BITS - 1)) - 1)) != 0,
-    ((hi & ((_u32(1) << km1) - 1)) != 0) | (lo != 0),
+  length = lax.sub(np.int32(32), _to_int(lax.clz(q)))
+  top = lax.add(lax.sub(length, np.int32(1)), exponent)  # of the leading bit
+  dropped = lax.clamp(
+    np.int32(0),
+    lax.max(lax.sub(length, np.int32(24)), lax.sub(np.int32(-149), exponent)),
+    np.int32(28),
   )
-  m = m + ((guard != 0) & (sticky | ((m & 1) != 0))).astype(jnp.uint32)
-  field = jnp.where(k > 0, 0, exponent + _LO_BITS + 149)
-  return m, field
+  dropped = lax.convert_element_type(dropped, np.uint32)
+  half_minus_one = lax.sub(_shl(np.uint32(1), lax.sub(dropped, np.uint32(1))), np.uint32(1))
+  odd = _and(_shr(q, dropped), 1)
+  significand = _shr(lax.add(lax.add(q, half_minus_one), odd), dropped)
+  # A normal float32's bits are ((top + 127) << 23) + significand - 2**23, a subnormal's the
+  # significand; a carry of the rounding moves into the exponent by itself.
+  field = lax.convert_element_type(
+    lax.clamp(np.int32(0), lax.add(top, np.int32(126)), np.int32(255)), np.uint32
+  )
+  return lax.min(lax.add(_shl(field, 23), significand), np.uint32(_F32_INF_BITS))
 
 
-def _assemble_f32(m: jax.Array, field: jax.Array) -> jax.Array:
-  """The float32 with significand ``m`` and biased exponent ``field``; inf past float32's range."""
-  bits = (jnp.clip(field, 0, 255).astype(jnp.uint32) << 23) + m
-  bits = jnp.where((field >= 255) | (bits >= _F32_INF_BITS), _u32(_F32_INF_BITS), bits)
-  return lax.bitcast_convert_type(bits, jnp.float32)
+def _with_sign_of(bits: jax.Array, x: jax.Array) -> jax.Array:
+  """The float32 with magnitude ``bits`` and the sign of ``x``."""
+  sign = _and(lax.bitcast_convert_type(x, np.uint32), _F32_SIGN_BIT)
+  return lax.bitcast_convert_type(_or(bits, sign), np.float32)
 
 
-def _with_sign_of(y: jax.Array, x: jax.Array) -> jax.Array:
-  sign = lax.bitcast_convert_type(x, jnp.uint32) & _u32(0x80000000)
-  return lax.bitcast_convert_type(lax.bitcast_convert_type(y, jnp.uint32) | sign, jnp.float32)
+def _is_special(x: jax.Array) -> jax.Array:
+  """Zero, inf or NaN: where the integer paths do not apply."""
+  return lax.bitwise_or(lax.eq(x, np.float32(0)), lax.bitwise_not(lax.is_finite(x)))
 
 
 def f64_limbs(factor: float) -> tuple[np.ndarray, int]:
@@ -97,55 +110,65 @@ def f64_limbs(factor: float) -> tuple[np.ndarray, int]:
   return np.array([(m >> (12 * i)) & 0xFFF for i in range(5)], np.uint32), exponent - 53
 
 
-def mul_f32_f64(x: jax.Array, factor_limbs: jax.Array, factor_exp: jax.Array) -> jax.Array:
+def mul_f32_f64(x: jax.Array, factor_limbs: Any, factor_exp: Any) -> jax.Array:
   """``float32(float64(x) * factor)``, torch's ``static_cast<float>(float * double)``.
 
   The exact product of the 24-bit and the 53-bit significands (77 bits) is built in 12-bit limbs,
   rounded to 53 bits (float64) and then to float32: two roundings, as in C++.
   """
+  x = lax.convert_element_type(x, np.float32)
   m, e = _decompose_f32(x)
-  a = (m & 0xFFF, m >> 12)
-  f = [factor_limbs[i] for i in range(5)]
-  columns = [a[0] * f[0]] + [a[0] * f[k] + a[1] * f[k - 1] for k in range(1, 5)] + [a[1] * f[4]]
-  product, carry = [], _u32(0)
+  a = (_and(m, 0xFFF), _shr(m, 12))
+  f = [lax.index_in_dim(factor_limbs, i, keepdims=False) for i in range(5)]
+  columns = [lax.mul(a[0], f[0])]
+  columns += [lax.add(lax.mul(a[0], f[k]), lax.mul(a[1], f[k - 1])) for k in range(1, 5)]
+  columns += [lax.mul(a[1], f[4])]
+  product, carry = [], None
   for c in columns:  # every column < 2**26
-    c = c + carry
-    product.append(c & 0xFFF)
-    carry = c >> 12
+    c = c if carry is None else lax.add(c, carry)
+    product.append(_and(c, 0xFFF))
+    carry = _shr(c, 12)
   product.append(carry)
   # The product is in [2**75, 2**77): shift it left once where bit 76 is clear.
-  s = _u32(1) - ((product[6] >> 4) & 1)
-  product = [
-    ((product[i] << s) & 0xFFF) | ((product[i - 1] >> (_u32(12) - s)) if i else 0) for i in range(7)
+  s = lax.sub(np.uint32(1), _and(_shr(product[6], 4), 1))
+  product = [_and(_shl(product[0], s), 0xFFF)] + [
+    _or(_and(_shl(product[i], s), 0xFFF), _shr(product[i - 1], lax.sub(np.uint32(12), s)))
+    for i in range(1, 7)
   ]
-  # float64 keeps bits 24..76; bit 23 is the guard bit.
-  lo = product[2] | (product[3] << 12) | ((product[4] & 0x1F) << 24)
-  hi = (product[4] >> 5) | (product[5] << 7) | (product[6] << 19)
-  hi, lo = _round_half_even(
-    hi, lo, (product[1] >> 11) & 1, ((product[1] & 0x7FF) | product[0]) != 0
-  )
-  y = _assemble_f32(*_f64_to_f32(hi, lo, e + factor_exp - s.astype(jnp.int32) + 24))
-  special = (x == 0) | ~jnp.isfinite(x)  # 0 * f, inf * f and nan * f are x itself (f > 0)
-  return jnp.where(special, x, _with_sign_of(y, x))
+  # float64 keeps bits 24..76 as hi * 2**29 + lo; bit 23 is the guard bit.
+  lo = _or(_or(product[2], _shl(product[3], 12)), _shl(_and(product[4], 0x1F), 24))
+  hi = _or(_or(_shr(product[4], 5), _shl(product[5], 7)), _shl(product[6], 19))
+  guard = _and(_shr(product[1], 11), 1)
+  sticky = _nonzero(_or(_and(product[1], 0x7FF), product[0]))
+  up = _and(guard, _or(sticky, _and(lo, 1)))  # to nearest, ties to even
+  lo = lax.add(lo, up)
+  hi = lax.add(hi, _shr(lo, 29))  # 2**24 where the rounding carried out of 53 bits
+  lo = _and(lo, (1 << 29) - 1)
+  # The float64 (hi * 2**29 + lo) * 2**exponent, kept to its top 26 or 27 bits rounded to odd.
+  exponent = lax.add(lax.sub(lax.add(e, factor_exp), _to_int(s)), np.int32(24 + 27))
+  q = _or(_or(_shl(hi, 2), _shr(lo, 27)), _nonzero(_and(lo, (1 << 27) - 1)))
+  y = _with_sign_of(_round_to_float32_bits(q, exponent), x)
+  return lax.select(_is_special(x), x, y)  # 0 * f, inf * f and nan * f are x itself (f > 0)
 
 
-def _reciprocal_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``float32(1 / float64(x))`` as ``_f64_to_f32``'s ``(m, field)``, for finite ``x != 0``."""
+def _reciprocal_magnitude_bits(x: jax.Array) -> jax.Array:
+  """The uint32 bits of ``float32(1 / float64(|x|))`` for finite ``x != 0``.
+
+  One rounding to float32 gives the same bits as C++'s two: ``1 / x`` is ``2**k / m`` for a 24-bit
+  ``m``, which lies more than ``2**-49`` of itself away from every float32 midpoint it does not
+  equal, so rounding it to float64 first (relative error ``2**-53``) cannot move it onto one. The
+  quotient is taken to 26 bits by long division and rounded to odd.
+  """
   m, e = _decompose_f32(x)
-  # Long division of 2**24 by m: q0 (1, or 2 where m == 2**23), then the fraction in chunks of
-  # at most 8 bits (remainder < m < 2**24, so remainder << 8 fits), a guard bit, and the sticky
-  # remainder.
-  q0 = _u32(1 << 24) // m
-  r = _u32(1 << 24) - q0 * m
-  c = []
-  for size in (8, 8, 8, 8, 8, 8, 4, 1):
-    r = r << size
-    c.append(r // m)
-    r = r - c[-1] * m
-  hi = (q0 << 23) | (c[0] << 15) | (c[1] << 7) | (c[2] >> 1)
-  lo = ((c[2] & 1) << 28) | (c[3] << 20) | (c[4] << 12) | (c[5] << 4) | c[6]
-  hi, lo = _round_half_even(hi, lo, c[7], r != 0)
-  return _f64_to_f32(hi, lo, -76 - e)  # 1 / (m * 2**e) = (2**76 / m) * 2**(-76 - e)
+  # |1 / x| = (2**49 / m) * 2**(-49 - e), with 2**49 / m in (2**25, 2**26].
+  q = lax.div(np.uint32(1 << 24), m)
+  r = lax.sub(np.uint32(1 << 24), lax.mul(q, m))
+  for size in (8, 8, 8, 1):  # r < m < 2**24, so r << 8 fits
+    r = _shl(r, size)
+    digit = lax.div(r, m)
+    r = lax.sub(r, lax.mul(digit, m))
+    q = _or(_shl(q, size), digit)
+  return _round_to_float32_bits(_or(q, _nonzero(r)), lax.sub(np.int32(-49), e))
 
 
 def reciprocal_f32_f64(x: jax.Array) -> jax.Array:
@@ -161,11 +184,13 @@ def unscale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   subnormal operands as zero: the gradients would silently vanish. There ``a`` is the inverse
   times ``2**64`` (a normal float with the same significand) and ``b = 2**-64``.
   """
-  m, field = _reciprocal_parts(scale)
-  special = (scale == 0) | ~jnp.isfinite(scale)
-  inverse = jnp.where(special, 1.0 / scale, _with_sign_of(_assemble_f32(m, field), scale))
-  subnormal = (field == 0) & ~special
-  raised = _with_sign_of(m.astype(jnp.float32) * jnp.float32(2.0**-85), scale)  # m * 2**-149+64
-  a = jnp.where(subnormal, raised, inverse)
-  b = jnp.where(subnormal, jnp.float32(2.0**-64), jnp.float32(1.0))
+  scale = lax.convert_element_type(scale, np.float32)
+  bits = _reciprocal_magnitude_bits(scale)
+  special = _is_special(scale)
+  inverse = lax.select(special, lax.div(np.float32(1), scale), _with_sign_of(bits, scale))
+  subnormal = lax.bitwise_and(lax.lt(bits, np.uint32(0x800000)), lax.bitwise_not(special))
+  raised = lax.mul(lax.convert_element_type(bits, np.float32), np.float32(2.0**-85))  # * 2**64
+  raised = _with_sign_of(lax.bitcast_convert_type(raised, np.uint32), scale)
+  a = lax.select(subnormal, raised, inverse)
+  b = lax.select(subnormal, lax.full_like(scale, 2.0**-64), lax.full_like(scale, 1.0))
   return a, b, inverse
