@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -216,32 +217,18 @@ def _unscale_factors(scale: jax.Array) -> jax.Array:
   return _opaque_identity(lax.concatenate([a[None], b[None]], 0), _opaque_one(scale))
 
 
-_UNSIGNED = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
-
-
 def _opaque_one(source: jax.Array) -> jax.Array:
   """A uint32 1 computed from the float32 scalar ``source``: ``(bits >> 31) | 1`` is 1 for every
-  float32, which XLA does not know, so it folds nothing divided by it."""
+  float32, which XLA does not know, so it folds nothing divided by it (nor ``one != 0``)."""
   bits = lax.bitcast_convert_type(source, np.uint32)
   return lax.bitwise_or(lax.shift_right_logical(bits, np.uint32(31)), np.uint32(1))
 
 
 def _opaque_identity(x: jax.Array, one: jax.Array) -> jax.Array:
-  """``x`` bit for bit, as its bits divided by ``one`` (``_opaque_one``): computed, not an alias
-  of ``x``, and neither folded nor duplicated by XLA. ``x``'s dtype is 8, 16, 32 or 64 bits."""
-  unsigned = _UNSIGNED[_bit_width(x.dtype)]
-  bits = lax.bitcast_convert_type(x, unsigned)
-  return lax.bitcast_convert_type(lax.div(bits, lax.convert_element_type(one, unsigned)), x.dtype)
-
-
-def _bit_width(dtype: Any) -> int | None:
-  """The bits of a float or integer ``dtype`` (4 for ``int4``, whose items take a byte), or
-  ``None`` for any other kind (bool, complex)."""
-  if jnp.issubdtype(dtype, jnp.floating):
-    return jnp.finfo(dtype).bits
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.iinfo(dtype).bits
-  return None
+  """The float32 ``x`` bit for bit, as its bits divided by ``one`` (``_opaque_one``): computed,
+  and neither folded nor duplicated by XLA."""
+  bits = lax.bitcast_convert_type(x, np.uint32)
+  return lax.bitcast_convert_type(lax.div(bits, one), np.float32)
 
 
 def _tree_unscale_by(tree: Any, factors: jax.Array) -> Any:
@@ -293,12 +280,17 @@ def _no_op_update(shape: Any) -> jax.Array:
   return _vary_like(update, shape)
 
 
+def _aval(x: Any) -> Any:
+  """The abstract value of ``x`` (a value, or already a ``ShapeDtypeStruct`` or aval)."""
+  return x if isinstance(x, jax.ShapeDtypeStruct | jax.core.AbstractValue) else jax.typeof(x)
+
+
 def _varying_axes(x: Any) -> frozenset:
   """The ``shard_map`` mesh axes over which ``x`` (a value or a ``ShapeDtypeStruct``) varies.
 
   Empty outside ``shard_map`` and under ``check_vma=False``: there nothing is typed as varying.
   """
-  aval = x if isinstance(x, jax.ShapeDtypeStruct | jax.core.AbstractValue) else jax.typeof(x)
+  aval = _aval(x)
   manual = getattr(aval, "manual_axis_type", None)
   if manual is not None:
     return frozenset(manual.varying)
@@ -323,8 +315,24 @@ def _vary_like(x: Any, like: Any) -> Any:
 _FRESH_FROM_SIZE = 4096
 
 
-def _fresh(x: Any, one: jax.Array) -> Any:
-  """``x`` bit for bit, computed (``_opaque_identity``), so not an alias of ``x``.
+def _shared_no_op_updates() -> Callable[[Any], jax.Array]:
+  """``_no_op_update`` made once per shape, dtype and varying axes, however many leaves share
+  them (a 500-leaf tree has a dozen shapes): the skipped branch's fills."""
+  fills: dict[Any, jax.Array] = {}
+
+  def no_op_update(like: Any) -> jax.Array:
+    aval = _aval(like)
+    key = (aval.shape, aval.dtype, _varying_axes(aval))
+    if key not in fills:
+      fills[key] = _no_op_update(aval)
+    return fills[key]
+
+  return no_op_update
+
+
+def _fresh(x: Any, keep: jax.Array, fill: Callable[[Any], jax.Array]) -> Any:
+  """``x`` bit for bit, computed (``select(keep, x, fill)`` with a ``keep`` XLA cannot prove
+  true), so not an alias of ``x``.
 
   A ``lax.cond`` branch that returns its operand unchanged makes XLA copy the operand before the
   cond, on every step: the skipped branch's old inner state was copied (a read and a write of
@@ -332,10 +340,9 @@ def _fresh(x: Any, one: jax.Array) -> Any:
   Small leaves (biases, norms, counts) are left as they are: their copies cost little to run.
   """
   x = _as_array(x)
-  # bool, complex, sub-byte types and small leaves: copied before the cond
-  if _bit_width(x.dtype) not in _UNSIGNED or x.size < _FRESH_FROM_SIZE:
+  if x.size < _FRESH_FROM_SIZE:  # copied before the cond
     return x
-  return _opaque_identity(x, one)
+  return lax.select(keep, x, fill(x))
 
 
 def _skip_if(
@@ -346,8 +353,8 @@ def _skip_if(
   The skipped branch needs the shapes of the taken one's outputs. ``lax.cond`` traces its true
   branch first, so the taken branch records them as it is traced, and the inner update is traced
   once (``jax.eval_shape`` traced it a second time); the fallback covers other orders. The
-  skipped branch returns a computed copy of the old state (``_fresh``, dividing by the opaque
-  ``one``), not the old state itself.
+  skipped branch returns a computed copy of the old state (``_fresh``, a select on ``one != 0``,
+  which XLA cannot fold), not the old state itself, and one ``-0.0`` fill per shape.
 
   Under ``shard_map`` the branches must agree on the axes each output varies over: a skipped
   step's -0.0 updates vary like the taken step's updates, and each inner state leaf varies
@@ -366,10 +373,11 @@ def _skip_if(
 
   def skip_update(_: None) -> tuple[Any, Any]:
     out_updates, out_state = traced[0] if traced else jax.eval_shape(do_update, None)
-    inner_state = jax.tree.map(lambda x: _fresh(x, one), old_state)
+    no_op_update, keep = _shared_no_op_updates(), lax.ne(one, np.uint32(0))  # XLA: unknown
+    inner_state = jax.tree.map(lambda x: _fresh(x, keep, no_op_update), old_state)
     if jax.tree.structure(out_state) == jax.tree.structure(old_state):
       inner_state = jax.tree.map(_vary_like, inner_state, out_state)
-    return jax.tree.map(_no_op_update, out_updates), inner_state
+    return jax.tree.map(no_op_update, out_updates), inner_state
 
   return lax.cond(jnp.logical_not(found_inf), take_update, skip_update, None)
 
