@@ -21,17 +21,17 @@ from jaxamp._src.scaler import exact_f64
 FACTORS = [0.5, 0.3, 0.25, 2.0, 1.1, 16.0, 0.1, 1.0000001, 0.7, 1.5, 3.0, 1e-300, 1e300]
 
 
-@jax.jit
-def scale_times(scale, limbs, exponent):
-  return jax.vmap(lambda s: exact_f64.mul_f32_f64(s, limbs, exponent))(scale)
-
-
 inverse_of = jax.jit(jax.vmap(exact_f64.reciprocal_f32_f64))
 
 
-def multiply(scales, factor):
-  limbs, exponent = exact_f64.f64_limbs(factor)
-  return np.asarray(scale_times(jnp.asarray(scales, jnp.float32), limbs, exponent))
+def multiply(scales, factor, other=None, compiled=True):
+  """``scales`` times ``factor`` (with ``other``: one product picking either per element), each
+  scale a scalar as in the scaler's update, compiled; or op by op: no compile for each factor."""
+  factors = (factor,) if other is None else (other, factor)
+  times = lambda s, i: exact_f64.mul_f32_f64(s, factors, i)
+  times = jax.jit(jax.vmap(times)) if compiled else times
+  scales = jnp.asarray(scales, jnp.float32)
+  return np.asarray(times(scales, jnp.full(scales.shape, len(factors) - 1, jnp.int32)))
 
 
 def torch_multiply(scales, factor):
@@ -77,6 +77,15 @@ def test_scale_times_factor_rounds_the_float64_product_to_float32(factor):
   assert_same_bits(multiply(scales, factor), torch_multiply(scales, factor))
 
 
+@pytest.mark.parametrize("pair", [(2.0, 0.5), (16.0, 0.25), (2.0, 0.3), (1.1, 0.5), (1.1, 0.3)])
+def test_one_product_picking_either_factor_rounds_as_that_factor_alone(pair):
+  # The scale update multiplies by the growth or the backoff factor, picked by found_inf: powers
+  # of two take the exponent path, any other pair the limbs.
+  scales = every_kind_of_float32()
+  for factor, other in (pair, pair[::-1]):
+    assert_same_bits(multiply(scales, factor, other), torch_multiply(scales, factor))
+
+
 def round_once_to_float32(q):
   """The float32 nearest to the rational ``q`` (ties to even): one rounding, unlike C++."""
   a = np.float32(float(q))
@@ -102,7 +111,7 @@ def double_rounding_cases(n=100, seed=1):
 
 def test_double_rounding_is_reproduced_where_it_differs_from_one_rounding():
   cases = double_rounding_cases()
-  got = np.array([multiply([s], f)[0] for s, f in cases], np.float32)
+  got = np.array([multiply([s], f, compiled=False)[0] for s, f in cases], np.float32)
   want = np.array([torch_multiply([s], f)[0] for s, f in cases], np.float32)
   once = np.array([round_once_to_float32(Fraction(float(s)) * Fraction(f)) for s, f in cases])
   assert_same_bits(got, want)
@@ -144,7 +153,8 @@ def test_inverse_rounds_to_every_subnormal_precision_as_float64_then_float32_doe
 )
 @pytest.mark.slow
 def test_any_scale_times_any_factor_matches_numpy(scale, factor):
-  assert_same_bits(multiply([scale], factor), torch_multiply([scale], factor))
+  got = multiply([scale], factor, compiled=False)
+  assert_same_bits(got, torch_multiply([scale], factor))
 
 
 @settings(max_examples=300, deadline=None)

@@ -92,15 +92,25 @@ def _round_to_float32_bits(q: jax.Array, exponent: jax.Array) -> jax.Array:
   return lax.min(lax.add(_shl(field, 23), significand), np.uint32(_F32_INF_BITS))
 
 
-def _with_sign_of(bits: jax.Array, x: jax.Array) -> jax.Array:
-  """The float32 with magnitude ``bits`` and the sign of ``x``."""
-  sign = _and(lax.bitcast_convert_type(x, np.uint32), _F32_SIGN_BIT)
-  return lax.bitcast_convert_type(_or(bits, sign), np.float32)
+def _sign_and_magnitude(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The float32 ``x``'s sign bit and the rest of its bits, as uint32s."""
+  u = lax.bitcast_convert_type(x, np.uint32)
+  return _and(u, _F32_SIGN_BIT), _and(u, 0x7FFFFFFF)
 
 
-def _is_special(x: jax.Array) -> jax.Array:
-  """Zero, inf or NaN: where the integer paths do not apply."""
-  return lax.bitwise_or(lax.eq(x, np.float32(0)), lax.bitwise_not(lax.is_finite(x)))
+def _float32(sign: jax.Array, magnitude: jax.Array) -> jax.Array:
+  return lax.bitcast_convert_type(_or(magnitude, sign), np.float32)
+
+
+def _is_special(magnitude: jax.Array) -> jax.Array:
+  """Zero, inf or NaN (by the bits without the sign): where the integer paths do not apply.
+
+  On the bits, and everything after it in integers: XLA:CPU treats subnormal float operands as
+  zero, so ``x == 0`` and ``1 / x`` are wrong for subnormal ``x``.
+  """
+  return lax.bitwise_or(
+    lax.eq(magnitude, np.uint32(0)), lax.ge(magnitude, np.uint32(_F32_INF_BITS))
+  )
 
 
 def f64_limbs(factor: float) -> tuple[np.ndarray, int]:
@@ -110,16 +120,48 @@ def f64_limbs(factor: float) -> tuple[np.ndarray, int]:
   return np.array([(m >> (12 * i)) & 0xFFF for i in range(5)], np.uint32), exponent - 53
 
 
-def mul_f32_f64(x: jax.Array, factor_limbs: Any, factor_exp: Any) -> jax.Array:
-  """``float32(float64(x) * factor)``, torch's ``static_cast<float>(float * double)``.
+def mul_f32_f64(x: jax.Array, factors: tuple[float, ...], index: Any = 0) -> jax.Array:
+  """``float32(float64(x) * factors[index])``, torch's ``static_cast<float>(float * double)``.
 
-  The exact product of the 24-bit and the 53-bit significands (77 bits) is built in 12-bit limbs,
-  rounded to 53 bits (float64) and then to float32: two roundings, as in C++.
+  ``factors`` are positive finite Python floats; ``index`` (an int32 array) picks one per
+  element, so one product serves several factors. Powers of two (torch's defaults 2.0 and 0.5)
+  scale the exponent alone; other factors take the exact product in limbs.
   """
   x = lax.convert_element_type(x, np.float32)
   m, e = _decompose_f32(x)
+  exponents = []
+  for factor in factors:
+    mantissa, exponent = math.frexp(factor)
+    exponents.append(exponent - 1 if mantissa == 0.5 else None)
+  if None not in exponents:  # x * 2**k, rounded once as float64's exact product rounds twice
+    k = _pick(index, [np.int32(k) for k in exponents])
+    bits = _round_to_float32_bits(_shl(m, 2), lax.add(lax.sub(e, np.int32(2)), k))
+  else:
+    limbs = [f64_limbs(factor) for factor in factors]
+    factor_limbs = [_pick(index, [np.uint32(f[0][i]) for f in limbs]) for i in range(5)]
+    bits = _product_bits(m, e, factor_limbs, _pick(index, [np.int32(f[1]) for f in limbs]))
+  sign, magnitude = _sign_and_magnitude(x)
+  # 0 * f, inf * f and nan * f are x itself (f > 0)
+  return _float32(sign, lax.select(_is_special(magnitude), magnitude, bits))
+
+
+def _pick(index: Any, options: list[np.generic]) -> Any:
+  """``options[index]`` (NumPy scalars): the option itself where there is one."""
+  if len(options) == 1:
+    return options[0]
+  index = lax.convert_element_type(index, np.int32)
+  return lax.select_n(index, *(lax.full_like(index, o, o.dtype) for o in options))
+
+
+def _product_bits(
+  m: jax.Array, e: jax.Array, f: list[jax.Array], factor_exp: jax.Array
+) -> jax.Array:
+  """The float32 bits of float64(m * 2**e * F * 2**factor_exp), F in 12-bit limbs ``f``.
+
+  The exact product of the 24-bit and the 53-bit significands (77 bits) is built in 12-bit limbs
+  and rounded to 53 bits (float64), then to float32: two roundings, as in C++.
+  """
   a = (_and(m, 0xFFF), _shr(m, 12))
-  f = [lax.index_in_dim(factor_limbs, i, keepdims=False) for i in range(5)]
   columns = [lax.mul(a[0], f[0])]
   columns += [lax.add(lax.mul(a[0], f[k]), lax.mul(a[1], f[k - 1])) for k in range(1, 5)]
   columns += [lax.mul(a[1], f[4])]
@@ -147,8 +189,7 @@ def mul_f32_f64(x: jax.Array, factor_limbs: Any, factor_exp: Any) -> jax.Array:
   # The float64 (hi * 2**29 + lo) * 2**exponent, kept to its top 26 or 27 bits rounded to odd.
   exponent = lax.add(lax.sub(lax.add(e, factor_exp), _to_int(s)), np.int32(24 + 27))
   q = _or(_or(_shl(hi, 2), _shr(lo, 27)), _nonzero(_and(lo, (1 << 27) - 1)))
-  y = _with_sign_of(_round_to_float32_bits(q, exponent), x)
-  return lax.select(_is_special(x), x, y)  # 0 * f, inf * f and nan * f are x itself (f > 0)
+  return _round_to_float32_bits(q, exponent)
 
 
 def _reciprocal_magnitude_bits(x: jax.Array) -> jax.Array:
@@ -185,12 +226,18 @@ def unscale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   times ``2**64`` (a normal float with the same significand) and ``b = 2**-64``.
   """
   scale = lax.convert_element_type(scale, np.float32)
+  sign, magnitude = _sign_and_magnitude(scale)
   bits = _reciprocal_magnitude_bits(scale)
-  special = _is_special(scale)
-  inverse = lax.select(special, lax.div(np.float32(1), scale), _with_sign_of(bits, scale))
+  special = _is_special(magnitude)
+  # 1 / 0 is inf, 1 / inf is 0, 1 / nan is nan.
+  special_bits = lax.select(
+    lax.eq(magnitude, np.uint32(0)),
+    lax.full_like(magnitude, _F32_INF_BITS),
+    lax.select(lax.gt(magnitude, np.uint32(_F32_INF_BITS)), magnitude, lax.full_like(magnitude, 0)),
+  )
+  inverse = _float32(sign, lax.select(special, special_bits, bits))
   subnormal = lax.bitwise_and(lax.lt(bits, np.uint32(0x800000)), lax.bitwise_not(special))
   raised = lax.mul(lax.convert_element_type(bits, np.float32), np.float32(2.0**-85))  # * 2**64
-  raised = _with_sign_of(lax.bitcast_convert_type(raised, np.uint32), scale)
-  a = lax.select(subnormal, raised, inverse)
+  a = lax.select(subnormal, _float32(sign, lax.bitcast_convert_type(raised, np.uint32)), inverse)
   b = lax.select(subnormal, lax.full_like(scale, 2.0**-64), lax.full_like(scale, 1.0))
   return a, b, inverse

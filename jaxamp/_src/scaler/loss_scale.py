@@ -392,14 +392,8 @@ def _next_scale(
   """
   successful = growth_tracker + 1
   grow = successful == hp.growth_interval
-  growth_limbs, growth_exp = exact_f64.f64_limbs(hp.growth_factor)
-  backoff_limbs, backoff_exp = exact_f64.f64_limbs(hp.backoff_factor)
   # One exact product serves both branches: the factor is chosen first.
-  product = exact_f64.mul_f32_f64(
-    scale,
-    jnp.where(found_inf, backoff_limbs, growth_limbs),
-    jnp.where(found_inf, backoff_exp, growth_exp),
-  )
+  product = exact_f64.mul_f32_f64(scale, (hp.growth_factor, hp.backoff_factor), found_inf)
   grown = jnp.where(jnp.isfinite(product), product, scale)  # never grow past float32 to inf
   backed_off = product
   if hp.min_scale is not None:  # static: without a floor the program is torch's, bit for bit
