@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import script_modules
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -171,3 +172,20 @@ def test_factor_limbs_hold_the_float64_exactly():
     limbs, exponent = exact_f64.f64_limbs(factor)
     value = sum(int(limb) << (12 * i) for i, limb in enumerate(limbs))
     assert math.ldexp(value, exponent) == factor
+
+
+def test_the_exhaustive_check_script_finds_every_inverse_right_in_its_hardest_chunks(capsys):
+  check = script_modules.load("check_exact_f64")
+  chunk = 2**16
+  # Subnormal scales; scales whose inverse is subnormal; inf and the NaNs after it.
+  for first in (0, 0x7F000000 // chunk, 0x7F7F0000 // chunk, 0x7F800000 // chunk):
+    assert check.main(["--chunk", str(chunk), "--first", str(first), "--count", "1"]) == 0
+  assert "all 65536 scales match" in capsys.readouterr().out
+
+
+def test_the_exhaustive_check_script_reports_a_wrong_inverse(monkeypatch, capsys):
+  check = script_modules.load("check_exact_f64")
+  off_by_one_ulp = lambda s: tuple(jnp.nextafter(f, jnp.inf) for f in exact_f64.unscale_factors(s))
+  monkeypatch.setattr(check, "_factors", jax.jit(off_by_one_ulp))
+  assert check.main(["--chunk", str(2**12), "--first", str(0x3F800000 // 2**12), "--count", "1"])
+  assert "mismatches among 4096 scales" in capsys.readouterr().out
