@@ -22,6 +22,8 @@ from jaxamp._src.scaler import exact_f64
 CHUNK = 2**24  # bit patterns per compiled call
 CHUNKS = 2**31 // CHUNK
 
+_factors = jax.jit(exact_f64.unscale_factors)
+
 
 def mismatches(first_bits: int, count: int) -> np.ndarray:
   """The scales among ``count`` bit patterns from ``first_bits`` whose factors are wrong."""
@@ -37,19 +39,17 @@ def mismatches(first_bits: int, count: int) -> np.ndarray:
   return x[~same | (finite & ~(exact & normal))]
 
 
-_factors = jax.jit(exact_f64.unscale_factors)
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--first", type=int, default=0, help=f"first chunk of {CHUNK} patterns")
   p.add_argument("--count", type=int, default=CHUNKS, help=f"chunks to check (all: {CHUNKS})")
   p.add_argument("--chunk", type=int, default=CHUNK, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  chunks = range(args.first, min(args.first + args.count, 2**31 // args.chunk))
   bad = []
-  for c in range(args.first, min(args.first + args.count, 2**31 // args.chunk)):
+  for c in chunks:
     bad.extend(mismatches(c * args.chunk, args.chunk)[:5])
-  checked = min(args.count, 2**31 // args.chunk - args.first) * args.chunk
+  checked = len(chunks) * args.chunk
   if bad:
     print(f"{len(bad)}+ mismatches among {checked} scales, e.g. {bad[:5]}")
     return 1

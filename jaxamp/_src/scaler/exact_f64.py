@@ -55,11 +55,11 @@ def _to_int(x: jax.Array) -> jax.Array:
   return lax.convert_element_type(x, np.int32)
 
 
-def _decompose_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(m, e)``, ``|x| = m * 2**e`` with the uint32 ``m`` in ``[2**23, 2**24)`` (finite x != 0)."""
-  u = lax.bitcast_convert_type(x, np.uint32)
-  biased = _and(_shr(u, 23), 0xFF)
-  frac = _and(u, 0x7FFFFF)
+def _decompose_f32(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(m, e)``, ``|x| = m * 2**e`` with the uint32 ``m`` in ``[2**23, 2**24)``, from the bits of
+  a finite ``x != 0`` without its sign (``_sign_and_magnitude``)."""
+  biased = _shr(magnitude, 23)
+  frac = _and(magnitude, 0x7FFFFF)
   m = lax.select(lax.gt(biased, np.uint32(0)), _or(frac, 0x800000), frac)
   e = lax.sub(_to_int(lax.max(biased, np.uint32(1))), np.int32(150))  # -149 for subnormals
   shift = lax.sub(lax.clz(m), np.uint32(8))  # normalises subnormals
@@ -127,8 +127,8 @@ def mul_f32_f64(x: jax.Array, factors: tuple[float, ...], index: Any = 0) -> jax
   element, so one product serves several factors. Powers of two (torch's defaults 2.0 and 0.5)
   scale the exponent alone; other factors take the exact product in limbs.
   """
-  x = lax.convert_element_type(x, np.float32)
-  m, e = _decompose_f32(x)
+  sign, magnitude = _sign_and_magnitude(lax.convert_element_type(x, np.float32))
+  m, e = _decompose_f32(magnitude)
   exponents = []
   for factor in factors:
     mantissa, exponent = math.frexp(factor)
@@ -140,7 +140,6 @@ def mul_f32_f64(x: jax.Array, factors: tuple[float, ...], index: Any = 0) -> jax
     limbs = [f64_limbs(factor) for factor in factors]
     factor_limbs = [_pick(index, [np.uint32(f[0][i]) for f in limbs]) for i in range(5)]
     bits = _product_bits(m, e, factor_limbs, _pick(index, [np.int32(f[1]) for f in limbs]))
-  sign, magnitude = _sign_and_magnitude(x)
   # 0 * f, inf * f and nan * f are x itself (f > 0)
   return _float32(sign, lax.select(_is_special(magnitude), magnitude, bits))
 
@@ -192,15 +191,15 @@ def _product_bits(
   return _round_to_float32_bits(q, exponent)
 
 
-def _reciprocal_magnitude_bits(x: jax.Array) -> jax.Array:
-  """The uint32 bits of ``float32(1 / float64(|x|))`` for finite ``x != 0``.
+def _reciprocal_magnitude_bits(magnitude: jax.Array) -> jax.Array:
+  """The uint32 bits of ``float32(1 / float64(|x|))`` for finite ``x != 0``, given ``|x|``'s bits.
 
   One rounding to float32 gives the same bits as C++'s two: ``1 / x`` is ``2**k / m`` for a 24-bit
   ``m``, which lies more than ``2**-49`` of itself away from every float32 midpoint it does not
   equal, so rounding it to float64 first (relative error ``2**-53``) cannot move it onto one. The
   quotient is taken to 26 bits by long division and rounded to odd.
   """
-  m, e = _decompose_f32(x)
+  m, e = _decompose_f32(magnitude)
   # |1 / x| = (2**49 / m) * 2**(-49 - e), with 2**49 / m in (2**25, 2**26].
   q = lax.div(np.uint32(1 << 24), m)
   r = lax.sub(np.uint32(1 << 24), lax.mul(q, m))
@@ -227,7 +226,7 @@ def unscale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """
   scale = lax.convert_element_type(scale, np.float32)
   sign, magnitude = _sign_and_magnitude(scale)
-  bits = _reciprocal_magnitude_bits(scale)
+  bits = _reciprocal_magnitude_bits(magnitude)
   special = _is_special(magnitude)
   # 1 / 0 is inf, 1 / inf is 0, 1 / nan is nan.
   special_bits = lax.select(
