@@ -2,19 +2,22 @@
 
 ``jaxamp.dynamic_loss_scale(adam)`` against flax's ``DynamicScale`` (its ``value_and_grad`` and a
 ``jnp.where`` select of the new state, as in flax's examples), ``optax.apply_if_finite(adam)``
-and bare ``optax.adam``, on (a) a transformer LM train step (``models.lm_task``; float32, or
-float16 under ``--lm-autocast cuda``, which ``run.py`` uses on a GPU) and (b) a
-pure optimizer step (``update`` + ``apply_updates``) on transformer-like parameter trees of 50
-and 500 leaves. Compile time is trace + lower + XLA compile with cold caches, median of
-``compile_reps`` rounds; the programs alternate within each round, and so do the step timings
-(median over rounds, and the quartiles of each round's ratio to adam: the spread on a shared
-machine). ``passes`` is what timings on a loaded machine cannot give: the bytes the compiled step
-reads and writes (every kernel's operands and outputs, the taken branch of a conditional) over the
-bytes of the parameters, exact and repeatable. Bare adam is 10 (it reads gradient, moments and
-parameter and writes moments and parameter, its three kernels reading the new moments again).
+and bare ``optax.adam``, on (a) transformer LM train steps (``models.lm_task``; float32, or
+float16 under ``--lm-autocast cuda``, which ``run.py`` uses on a GPU), as many layers deep as
+make about 50 and about 500 parameter leaves (``--lm-leaves``), and (b) a pure optimizer step
+(``update`` + ``apply_updates``) on transformer-like parameter trees of 50 and 500 leaves: the
+worst case for the step, where nothing but the optimizer runs. Compile time is trace + lower +
+XLA compile with cold caches, median of ``compile_reps`` rounds; the programs alternate within
+each round, and so do the step timings (median over rounds, and the quartiles of each round's
+ratio to adam: the spread on a shared machine; a round calls each program for about half a
+second at most, once for a deep LM). ``passes`` is what timings on a loaded machine cannot give:
+the bytes the compiled step reads and writes (every kernel's operands and outputs, the taken
+branch of a conditional) over the bytes of the parameters, exact and repeatable. Bare adam is 10
+(it reads gradient, moments and parameter and writes moments and parameter, its three kernels
+reading the new moments again).
 Targets: the scaler compiles in at most ``apply_if_finite``'s time and steps in <= 1.02x adam's.
 
-    python -m benchmarks.bench_scaler_peers [--quick] [--markdown]
+    python -m benchmarks.bench_scaler_peers [--quick] [--markdown] [--lm-leaves 50,500]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from benchmarks import common, models
 STEP_TARGET = 1.02
 PEERS = ("optax.adam", "jaxamp", "flax DynamicScale", "optax.apply_if_finite")
 FLAX_MAX_LEAVES = 100  # flax's per-leaf selects compile quadratically: 198 s at 500 leaves
+ROUND_SECONDS = 0.5  # the most one program's calls take in a round (at least one call)
 
 
 def layer_tree(leaves: int, d: int = 128, seed: int = 0) -> dict:
@@ -93,6 +97,17 @@ def optimizer_steps(params: Any) -> dict[str, tuple]:
 
   out["flax DynamicScale"] = (flax_step, (DynamicScale(), adam.init(params)), grads)
   return out
+
+
+def lm_layers_for(leaves: int, lm: dict) -> int:
+  """The number of layers that gives ``models.lm_task`` with ``lm``'s other sizes the number of
+  parameter leaves nearest to ``leaves`` (at least one layer)."""
+  tiny = dict(lm, d_model=8, heads=1, seq=2, batch=1, vocab=8)
+  count = [
+    len(jax.tree.leaves(models.lm_task(None, **dict(tiny, layers=n)).params)) for n in (1, 2)
+  ]
+  per_layer = count[1] - count[0]
+  return max(1, round((leaves - (count[0] - per_layer)) / per_layer))
 
 
 def lm_steps(lm: dict, device_type: str | None = None) -> tuple[dict[str, tuple], Any]:
@@ -193,7 +208,10 @@ def hlo_traffic(text: str) -> int:
 def measure(
   steps: dict[str, tuple], params: Any, *, compile_reps: int, rounds: int, calls: int
 ) -> dict:
-  """Compile (cold caches) and step time of every program, the programs interleaved."""
+  """Compile (cold caches) and step time of every program, the programs interleaved.
+
+  A round calls each program ``calls`` times, or fewer if they would take over ``ROUND_SECONDS``.
+  """
   times: dict[str, list[float]] = {name: [] for name in steps}
   compiled = {}
   for r in range(compile_reps):
@@ -208,6 +226,9 @@ def measure(
     name: functools.partial(compiled[name], params, state, extra)
     for name, (_, state, extra) in steps.items()
   }
+  start = time.perf_counter()
+  common.block(funs["optax.adam"]())  # its first call: compiled already, so about one step
+  calls = max(1, min(calls, int(ROUND_SECONDS / (time.perf_counter() - start))))
   per_round: dict[str, list[float]] = {name: [] for name in steps}
   for r in range(rounds):  # one round at a time, so that each round's ratios can be taken
     once = common.interleaved_median(funs, rounds=1, per_round=calls, warmup=int(r == 0))
@@ -240,6 +261,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def run(
   *,
   lm: dict | None = None,
+  lm_leaves=(),
   lm_device_type: str | None = None,
   leaves=(50, 500),
   d: int = 128,
@@ -251,11 +273,16 @@ def run(
 ) -> dict[str, Any]:
   cases = {}
   opts = dict(compile_reps=compile_reps, rounds=rounds, calls=per_round)
-  if lm is not None:
-    steps, params = lm_steps(lm, lm_device_type)
+  lms = [] if lm is None else [lm]
+  if lm is not None and lm_leaves:  # lm's sizes, as deep as the leaf counts ask
+    lms = [dict(lm, layers=lm_layers_for(n, lm)) for n in lm_leaves]
+  for sizes in lms:
+    steps, params = lm_steps(sizes, lm_device_type)
     n = len(jax.tree.leaves(params))
+    if n > flax_max_leaves:
+      del steps["flax DynamicScale"]
     what = "LM train step" + (f", autocast {lm_device_type}" if lm_device_type else "")
-    log(f"  peers: {what}, {n} leaves")
+    log(f"  peers: {what}, {sizes['layers']} layers, {n} leaves")
     cases[f"{what} ({n} leaves)"] = measure(steps, params, **opts)
   for n in leaves:
     params = layer_tree(n, d)
@@ -360,13 +387,21 @@ def main(argv=None) -> int:
   p.add_argument("--leaves", default="50,500")
   p.add_argument("--no-lm", action="store_true")
   p.add_argument(
+    "--lm-leaves",
+    default=None,
+    help="LMs as deep as give about these numbers of leaves (default 50,500; --quick and '': "
+    "the LM of models.lm_sizes)",
+  )
+  p.add_argument(
     "--lm-autocast", default=None, help="the LM's loss under autocast for this device type"
   )
   args = p.parse_args(argv)
   q = args.quick
   lm = None if args.no_lm else models.lm_sizes(q)
+  lm_leaves = args.lm_leaves if args.lm_leaves is not None else ("" if q else "50,500")
   res = run(
     lm=lm,
+    lm_leaves=tuple(int(n) for n in lm_leaves.split(",") if n),
     lm_device_type=args.lm_autocast,
     leaves=tuple(int(n) for n in args.leaves.split(",") if n),
     d=64 if q else 128,

@@ -1,6 +1,6 @@
 """jaxamp benchmarks: autocast vs hand-written Flax / jmp mixed precision, and the loss scaler.
 
-    python -m benchmarks.run                 # everything, < 5 minutes on a 2-core CPU
+    python -m benchmarks.run                 # everything, < 10 minutes on a 2-core CPU
     python -m benchmarks.run --quick         # smaller models, fewer repetitions, < 1 minute
     python -m benchmarks.run --only lm       # one section: lm, conv, haiku, scaler, gpu, depth
     python -m benchmarks.run --only depth    # the depth sweep alone (not in the default run)
@@ -11,7 +11,8 @@ Sections (all measured side by side in one process, printed as ratios):
   haiku      the same for a Haiku ResNet (hk.BatchNorm) against Haiku's jmp policies, with the
              target autocast converts <= jmp converts in the jaxpr, StableHLO and compiled HLO
   scaler     5. dynamic_loss_scale(adam) vs adam update time on >= 10M parameters, and its
-             compile/step time against flax DynamicScale and optax.apply_if_finite
+             compile/step time against flax DynamicScale and optax.apply_if_finite on LM
+             train steps of about 50 and 500 leaves and on optimizer steps alone
   gpu        6. GPU only: autocast speed-up over float32 and the dtypes of the gemm/conv calls
   depth      7. trace/lower/compile time of the LM at 2, 8, 32, 64 unrolled layers (~5-10 min,
              so only with --only; benchmarks/trace_depth.py runs it alone with more options)
@@ -241,6 +242,8 @@ def main(argv=None) -> int:
     summary += bench_scaler.summary_rows(res)
     peers = dict(
       lm=None if args.quick else cfg["lm"],
+      # As deep as make about 50 and 500 leaves, unless --layers names the LM (gpu_check's).
+      lm_leaves=() if args.layers is not None else (50, 500),
       # On a GPU the LM step is the float16 one (forward and backward under autocast "cuda").
       lm_device_type="cuda" if jax.default_backend() == "gpu" else None,
       leaves=(8,) if args.quick else (50, 500),

@@ -172,6 +172,23 @@ def test_stablehlo_converts_are_read_from_lowered_text():
   assert pairs == {"f32->bf16": 1, "bf16->f32": 1}
 
 
+def test_the_scaler_peers_lm_cases_are_as_deep_as_their_leaf_counts_ask():
+  from benchmarks import bench_scaler_peers
+
+  lm = dict(layers=1, d_model=32, heads=2, seq=8, batch=2, vocab=32)
+  leaves = lambda layers: len(
+    jax.tree.leaves(bench_scaler_peers.models.lm_task(None, **dict(lm, layers=layers)).params)
+  )
+  assert bench_scaler_peers.lm_layers_for(50, lm) == 3 and leaves(3) == 54  # 6 + 16 a layer
+  assert leaves(bench_scaler_peers.lm_layers_for(500, lm)) == 502
+  assert bench_scaler_peers.lm_layers_for(1, lm) == 1
+  res = bench_scaler_peers.run(
+    lm=lm, lm_leaves=(20, 110), leaves=(), compile_reps=1, rounds=1, per_round=1, log=print
+  )
+  assert list(res["cases"]) == ["LM train step (22 leaves)", "LM train step (102 leaves)"]
+  assert "flax DynamicScale" not in res["cases"]["LM train step (102 leaves)"]  # > 100 leaves
+
+
 def test_the_scaler_peers_lm_step_runs_under_autocast_for_a_gpu_run():
   from benchmarks import bench_scaler_peers
 
