@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import re
 import statistics
 import sys
@@ -219,6 +220,7 @@ def measure(
     for name in order:
       step, state, extra = steps[name]
       common.clear_all_caches()
+      gc.collect()  # the previous program's garbage is not charged to this one
       start = time.perf_counter()
       compiled[name] = jax.jit(step).trace(params, state, extra).lower().compile()
       times[name].append(time.perf_counter() - start)

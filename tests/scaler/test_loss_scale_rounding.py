@@ -16,6 +16,7 @@ import pytest
 import script_modules
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import lax
 
 from jaxamp._src.scaler import exact_f64
 
@@ -142,6 +143,28 @@ def test_inverse_rounds_to_every_subnormal_precision_as_float64_then_float32_doe
   want = (1.0 / scales.astype(np.float64)).astype(np.float32)
   assert (want <= np.finfo(np.float32).tiny).all()  # 2**-126 itself is the smallest normal
   assert_same_bits(inverse_of(jnp.asarray(scales)), want)
+
+
+@pytest.mark.parametrize("relative_error", [2.0**-20, -(2.0**-20), 2.0**-30])
+def test_inverse_is_exact_however_far_the_division_estimate_is_within_its_bound(
+  monkeypatch, relative_error
+):
+  # The quotient is estimated by a float division and corrected by its integer remainder: a
+  # backend whose division is off by 64 units (TPUs' is within a few) still gives torch's bits.
+  exact = exact_f64._estimate
+  skewed = lambda n, d: lax.mul(exact(n, d), np.float32(1 + relative_error))
+  monkeypatch.setattr(exact_f64, "_estimate", skewed)
+  scales = np.concatenate(
+    [
+      every_kind_of_float32(),
+      2.0 ** np.arange(-149, 128, dtype=np.float32),
+      (np.arange(2**23, 2**24, 997, dtype=np.float64) * 2.0**-23).astype(np.float32),
+    ]
+  )
+  with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+    want = (1.0 / scales.astype(np.float64)).astype(np.float32)
+  inverse = jax.jit(jax.vmap(lambda s: exact_f64.reciprocal_f32_f64(s)))
+  assert_same_bits(inverse(jnp.asarray(scales)), want)
 
 
 @settings(max_examples=300, deadline=None)
