@@ -275,9 +275,12 @@ def run(
 ) -> dict[str, Any]:
   cases = {}
   opts = dict(compile_reps=compile_reps, rounds=rounds, calls=per_round)
-  lms = [] if lm is None else [lm]
-  if lm is not None and lm_leaves:  # lm's sizes, as deep as the leaf counts ask
+  if lm is None:
+    lms = []
+  elif lm_leaves:  # lm's sizes, as deep as the leaf counts ask
     lms = [dict(lm, layers=lm_layers_for(n, lm)) for n in lm_leaves]
+  else:
+    lms = [lm]
   for sizes in lms:
     steps, params = lm_steps(sizes, lm_device_type)
     n = len(jax.tree.leaves(params))

@@ -8,9 +8,9 @@ there is no float64 inside ``jit``, so ``mul_f32_f64`` forms the exact product i
 and rounds it to float64, and ``_reciprocal_magnitude_bits`` takes the quotient from a float
 estimate corrected by its exact integer remainder. Both are then kept to 26 or 27 bits rounded to
 odd, from which ``_round_to_float32_bits`` rounds to float32 (normal or subnormal) as the exact
-value would round. Integer ops are exact on every
-backend; float error-free transformations (Dekker, TwoSum) are not safe where XLA contracts
-``a * b + c`` into an FMA. Written in ``lax``: each op traces once per step, not a ``jnp`` wrapper.
+value would round. Integer ops are exact on every backend; float error-free transformations
+(Dekker, TwoSum) are not safe where XLA contracts ``a * b + c`` into an FMA. Written in ``lax``:
+each op traces once per step, not a ``jnp`` wrapper.
 """
 
 from __future__ import annotations
@@ -209,10 +209,9 @@ def _reciprocal_magnitude_bits(magnitude: jax.Array) -> jax.Array:
   correction = lax.round(_estimate(_remainder(q, m, np.float32), mf))
   q = lax.add(q, lax.bitcast_convert_type(_to_int(correction), np.uint32))  # modulo 2**32
   r = _remainder(q, m, np.int32)  # in (-m, m)
-  below = lax.lt(r, np.int32(0))
-  q = lax.sub(q, lax.convert_element_type(below, np.uint32))
-  r = lax.select(below, lax.add(r, _to_int(m)), r)
-  sticky = lax.convert_element_type(lax.ne(r, np.int32(0)), np.uint32)
+  q = lax.sub(q, lax.convert_element_type(lax.lt(r, np.int32(0)), np.uint32))  # the floor
+  # The floor's remainder, r or r + m, is zero exactly where r is.
+  sticky = _nonzero(lax.bitcast_convert_type(r, np.uint32))
   return _round_to_float32_bits(_or(q, sticky), lax.sub(np.int32(-49), e))
 
 
