@@ -582,8 +582,9 @@ def test_axis_name_makes_every_shard_skip_when_one_shard_overflows():
   assert result["finite_params"] == [0.0] * 8 and result["finite_scale"] == 4.0
 
 
-def _reductions(leaves: int) -> tuple[int, int]:
-  """(reductions in the jaxpr of the scaler's update, times it traced the inner update)."""
+def _reductions(shapes: dict) -> tuple[int, int]:
+  """(reductions in the jaxpr of the scaler's update, times it traced the inner update), for
+  gradients of the given ``{name: (shape, dtype)}``."""
   calls = []
   adam = optax.adam(1e-3)
 
@@ -592,19 +593,90 @@ def _reductions(leaves: int) -> tuple[int, int]:
     return adam.update(grads, state, params)
 
   tx = jaxamp.dynamic_loss_scale(optax.GradientTransformation(adam.init, counted))
-  params = {f"w{i}": jnp.ones((4, 3) if i % 2 else (5,)) for i in range(leaves)}
+  params = {name: jnp.ones(shape, dtype) for name, (shape, dtype) in shapes.items()}
   text = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
   return sum(text.count(f"{r}[") for r in ("reduce_sum", "reduce_and", "reduce_or")), len(calls)
 
 
-def test_the_finite_check_reduces_leaves_in_small_groups_and_the_inner_update_traces_once():
+def _leaves(count: int, shapes: tuple, dtype=jnp.float32) -> dict:
+  return {f"w{i}": (shapes[i % len(shapes)], dtype) for i in range(count)}
+
+
+def test_the_finite_check_reduces_large_leaves_in_small_groups_and_the_inner_update_traces_once():
   # One reduction per (shape, dtype) group of leaves, split into kernels of a few leaves (a kernel
   # of hundreds compiled slowly), not one per leaf; the inner update is traced once (not again
   # by jax.eval_shape for the skipped branch's shapes).
   per_kernel = loss_scale._CHECK_LEAVES_PER_KERNEL
   assert 1 < per_kernel < 32
-  assert _reductions(4) == (2, 1)
-  assert _reductions(64) == (2 * math.ceil(32 / per_kernel), 1)
+  large = (loss_scale._CHECK_CONCAT_BELOW,), (64, loss_scale._CHECK_CONCAT_BELOW // 32)
+  assert _reductions(_leaves(4, large)) == (2, 1)
+  assert _reductions(_leaves(64, large)) == (2 * math.ceil(32 / per_kernel), 1)
+
+
+def test_on_one_device_small_leaves_are_checked_in_one_reduction_per_dtype():
+  # Biases and norm scales, flattened and concatenated: one kernel for all of them.
+  assert jax.device_count() == 1
+  small = (5,), (4, 3), ()
+  assert _reductions(_leaves(64, small)) == (1, 1)
+  assert _reductions({**_leaves(8, small), **_leaves(3, small, jnp.bfloat16)}) == (2, 1)
+
+
+def test_a_concatenated_check_vector_holds_at_most_its_size_of_elements():
+  size, below = loss_scale._CHECK_CONCAT_SIZE, loss_scale._CHECK_CONCAT_BELOW
+  per_vector = size // (below - 1)
+  assert _reductions(_leaves(per_vector, ((below - 1,),))) == (1, 1)
+  assert _reductions(_leaves(per_vector + 1, ((below - 1,),))) == (2, 1)
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16, jnp.float16))
+@pytest.mark.parametrize("bad", (np.inf, -np.inf, np.nan))
+def test_a_non_finite_value_in_any_leaf_small_or_large_is_found(dtype, bad):
+  shapes = {"scalar": (), "bias": (3,), "empty": (0,), "norm": (2, 4), "kernel": (64, 96)}
+  tree = {name: jnp.ones(shape, dtype) for name, shape in shapes.items()}
+  tree["count"] = jnp.arange(3)  # not inexact: not checked
+  check = jax.jit(loss_scale._tree_found_inf)
+  assert not bool(check(tree))
+  for name, x in tree.items():
+    if jnp.issubdtype(x.dtype, jnp.inexact) and x.size:
+      corrupted = x.at[(x.ndim and -1,) * x.ndim].set(bad) if x.ndim else jnp.asarray(bad, dtype)
+      assert bool(check({**tree, name: corrupted})), name
+
+
+_FSDP_CHECK_SCRIPT = textwrap.dedent(
+  """
+    import json, re, jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jaxamp
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    shapes = {f"layer{i}": {"kernel": (64, 64), "bias": (64,), "scale": (8,)} for i in range(6)}
+    params = jax.tree.map(lambda s: jnp.ones(s), shapes, is_leaf=lambda s: isinstance(s, tuple))
+    params = jax.device_put(params, NamedSharding(mesh, P("d")))  # every leaf split over "d"
+    tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
+
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    text = jax.jit(step).lower(params, state, params).compile().as_text()
+    grads = jax.tree.map(lambda g: g, params)  # a copy of the dicts
+    grads["layer3"]["scale"] = grads["layer3"]["scale"].at[5].set(jnp.inf)
+    grads = jax.device_put(grads, NamedSharding(mesh, P("d")))
+    found_inf = bool(jax.jit(step)(params, state, grads)[1].found_inf)
+    moves = r" (all-gather|all-to-all|collective-permute)(?:-start)?\\("
+    print(json.dumps({"collectives": re.findall(moves, text), "found_inf": found_inf}))
+    """
+)
+
+
+@pytest.mark.slow  # a subprocess on several virtual CPU devices
+def test_the_finite_check_of_sharded_gradients_moves_no_shard():
+  # Concatenating the small leaves would make GSPMD gather every sharded one; with several
+  # devices each leaf is reduced where it lies, into one all-reduce.
+  result = run_on_four_cpu_devices(_FSDP_CHECK_SCRIPT)
+  assert result["found_inf"]
+  assert result["collectives"] == []
 
 
 def _compiled_entry(fun, *args):

@@ -160,6 +160,13 @@ class DynamicLossScaleState(NamedTuple):
 # faster than linearly with a kernel's size (500 leaves of a transformer's shapes: 200 of them
 # in one kernel compiled ~1 s slower than in kernels of 8), and the reads are the same either way.
 _CHECK_LEAVES_PER_KERNEL = 8
+# Leaves with fewer elements than this (biases, norm scales) are checked flattened and
+# concatenated, up to _CHECK_CONCAT_SIZE elements a vector: one kernel for dozens of them
+# instead of one (or, for small ones, three) per group of a shape. A transformer step or a plain
+# adam step, 50 or 500 leaves, compiled 3-4% faster; copying them costs a few thousandths of a
+# pass over the parameters' bytes.
+_CHECK_CONCAT_BELOW = 4096
+_CHECK_CONCAT_SIZE = 1 << 16
 
 
 def _tree_found_inf(tree: Any) -> jax.Array:
@@ -169,14 +176,17 @@ def _tree_found_inf(tree: Any) -> jax.Array:
   whole leaf, and up to ``_CHECK_LEAVES_PER_KERNEL`` leaves of one shape and dtype are summed
   elementwise first: one reduction (one XLA kernel to compile) per group instead of an
   ``isfinite`` and an ``all`` per leaf, which XLA:CPU compiled into four kernels a leaf. Each
-  gradient is still read once. Written in ``lax`` (no ``jnp`` wrappers): tracing costs one
-  equation per op, for hundreds of leaves.
+  gradient is still read once; on one device, small leaves are checked together
+  (``_concatenate_small``). Written in ``lax`` (no ``jnp`` wrappers): tracing costs one equation
+  per op, for hundreds of leaves.
   """
+  leaves = [_as_array(x) for x in jax.tree.leaves(tree)]
+  leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if jax.device_count() == 1:
+    leaves = _concatenate_small(leaves)
   groups: dict[tuple[Any, tuple[int, ...]], list[jax.Array]] = {}
-  for x in jax.tree.leaves(tree):
-    x = _as_array(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-      groups.setdefault((x.dtype, x.shape), []).append(lax.mul(x, _zero(x.dtype)))
+  for x in leaves:
+    groups.setdefault((x.dtype, x.shape), []).append(lax.mul(x, _zero(x.dtype)))
   found = []
   for zeros in groups.values():
     for start in range(0, len(zeros), _CHECK_LEAVES_PER_KERNEL):
@@ -184,6 +194,32 @@ def _tree_found_inf(tree: Any) -> jax.Array:
       total = lax.reduce_sum(total, tuple(range(total.ndim)))
       found.append(lax.ne(total, _zero(total.dtype)))
   return functools.reduce(lax.bitwise_or, found) if found else jnp.array(False)
+
+
+def _concatenate_small(leaves: list[jax.Array]) -> list[jax.Array]:
+  """``leaves``, those below ``_CHECK_CONCAT_BELOW`` elements flattened and concatenated per
+  dtype into vectors of up to ``_CHECK_CONCAT_SIZE`` elements.
+
+  Only where there is one device: a concatenation of sharded leaves makes GSPMD gather each one
+  (a 50-leaf FSDP step: 30 all-gathers), where the sums of all leaves need one all-reduce.
+  """
+  large, small = [], {}
+  for x in leaves:
+    if x.size >= _CHECK_CONCAT_BELOW:
+      large.append(x)
+    else:
+      small.setdefault(x.dtype, []).append(lax.reshape(x, (x.size,)))
+  vectors = []
+  for flat in small.values():
+    run, size = [], 0
+    for x in flat:
+      if run and size + x.size > _CHECK_CONCAT_SIZE:
+        vectors.append(run)
+        run, size = [], 0
+      run.append(x)
+      size += x.size
+    vectors.append(run)
+  return large + [lax.concatenate(run, 0) if len(run) > 1 else run[0] for run in vectors]
 
 
 def _as_array(x: Any) -> jax.Array:
