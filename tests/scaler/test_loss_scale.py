@@ -660,12 +660,15 @@ _FSDP_CHECK_SCRIPT = textwrap.dedent(
 
     state = tx.init(params)
     text = jax.jit(step).lower(params, state, params).compile().as_text()
-    grads = jax.tree.map(lambda g: g, params)  # a copy of the dicts
-    grads["layer3"]["scale"] = grads["layer3"]["scale"].at[5].set(jnp.inf)
-    grads = jax.device_put(grads, NamedSharding(mesh, P("d")))
-    found_inf = bool(jax.jit(step)(params, state, grads)[1].found_inf)
+    found = {}
+    for name in ("kernel", "bias", "scale"):  # an inf in one shard of one leaf of each kind
+      grads = jax.tree.map(lambda g: g, params)  # a copy of the dicts
+      grads["layer3"][name] = grads["layer3"][name].at[5].set(jnp.inf)
+      grads = jax.device_put(grads, NamedSharding(mesh, P("d")))
+      found[name] = bool(jax.jit(step)(params, state, grads)[1].found_inf)
+    found["none"] = bool(jax.jit(step)(params, state, params)[1].found_inf)
     moves = r" (all-gather|all-to-all|collective-permute)(?:-start)?\\("
-    print(json.dumps({"collectives": re.findall(moves, text), "found_inf": found_inf}))
+    print(json.dumps({"collectives": re.findall(moves, text), "found_inf": found}))
     """
 )
 
@@ -675,7 +678,7 @@ def test_the_finite_check_of_sharded_gradients_moves_no_shard():
   # Concatenating the small leaves would make GSPMD gather every sharded one; with several
   # devices each leaf is reduced where it lies, into one all-reduce.
   result = run_on_four_cpu_devices(_FSDP_CHECK_SCRIPT)
-  assert result["found_inf"]
+  assert result["found_inf"] == {"kernel": True, "bias": True, "scale": True, "none": False}
   assert result["collectives"] == []
 
 
