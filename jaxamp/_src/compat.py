@@ -27,6 +27,7 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.state import types as _state_types
+from jax.experimental import layout as _layout
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as _exported
 
@@ -66,6 +67,7 @@ REQUIRED_INTERNALS = {
     _mlir._platform_specific_lowerings
   ),
   "jax._src.interpreters.mlir.lower_per_platform": lambda: _mlir.lower_per_platform,
+  "jax.experimental.layout.with_layout_constraint": lambda: _layout.with_layout_constraint,
 }
 
 
@@ -109,6 +111,12 @@ def typeof(x) -> Any:
 def current_trace() -> Any:
   """The trace JAX is tracing into now (the eval trace outside any transformation)."""
   return _core.trace_ctx.trace
+
+
+def row_major(x: jax.Array) -> jax.Array:
+  """``x``, laid out row-major (XLA's default layout) where it is computed: a layout constraint,
+  an experimental JAX API. The values are unchanged."""
+  return _layout.with_layout_constraint(x, _layout.Layout(tuple(range(x.ndim))))
 
 
 def is_literal(atom) -> bool:

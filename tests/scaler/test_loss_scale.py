@@ -5,6 +5,7 @@ state, of ``enabled=False`` or of the constructor's validation. Updates run unde
 """
 
 import math
+import re
 import textwrap
 
 import cpu_devices
@@ -674,9 +675,10 @@ _FSDP_CHECK_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow  # a subprocess on several virtual CPU devices
-def test_the_finite_check_of_sharded_gradients_moves_no_shard():
-  # Concatenating the small leaves would make GSPMD gather every sharded one; with several
-  # devices each leaf is reduced where it lies, into one all-reduce.
+def test_the_scaler_moves_no_shard_of_sharded_gradients():
+  # Concatenating the small leaves for the finite check, or constraining the gradients' layout,
+  # made GSPMD gather every sharded one: with several devices neither is done, and each leaf is
+  # reduced where it lies, into one all-reduce.
   result = run_on_four_cpu_devices(_FSDP_CHECK_SCRIPT)
   assert result["found_inf"] == {"kernel": True, "bias": True, "scale": True, "none": False}
   assert result["collectives"] == []
@@ -705,6 +707,40 @@ def test_finite_steps_do_not_copy_the_weight_moments():
 
   entry = _compiled_entry(step, params, tx.init(params), params)
   assert "f32[64,256]{1,0} copy(" not in entry and "f32[256,256]{1,0} copy(" not in entry
+
+
+def _cond_operand_layouts(text: str) -> list[str]:
+  """The layouts (minor to major) of every array the compiled HLO's conditional takes."""
+  entry = text[text.index("\nENTRY") :]
+  cond = next(line for line in entry.splitlines() if " conditional(" in line)
+  layouts = []
+  for name in re.findall(r"%([\w.\-]+)", cond.split("conditional(")[1].split(")")[0]):
+    definition = next(line for line in entry.splitlines() if f"%{name} = " in line)
+    layouts += re.findall(r"\{[\d,]+\}", definition.split(f"%{name} = ")[1].split(" tuple(")[0])
+  return layouts
+
+
+@pytest.mark.slow
+def test_attention_gradients_reach_the_check_and_the_cond_row_major_on_cpu():
+  # Flax's attention kernels get their gradients as transposed dots. Taken as they came, XLA:CPU
+  # wrote them once row-major for the check and once in the dot's layout for the cond, and copied
+  # that to row-major inside the taken branch.
+  import flax.linen as nn
+
+  model = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
+  x = jnp.ones((2, 16, 64))
+  params = model.init(jax.random.key(0), x)["params"]
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
+
+  def step(params, state, x):
+    grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  text = jax.jit(step).lower(params, tx.init(params), x).compile().as_text()
+  layouts = _cond_operand_layouts(text)
+  assert "{2,1,0}" in layouts
+  assert all(layout in ("{0}", "{1,0}", "{2,1,0}") for layout in layouts), layouts
 
 
 def _inverse_kernels(leaves: int) -> int:

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxamp._src import compat
 from jaxamp._src.scaler import checks, exact_f64
 
 # ------------------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def _tree_found_inf(tree: Any) -> jax.Array:
   """
   leaves = [_as_array(x) for x in jax.tree.leaves(tree)]
   leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-  if jax.device_count() == 1:
+  if _one_device():
     leaves = _concatenate_small(leaves)
   groups: dict[tuple[Any, tuple[int, ...]], list[jax.Array]] = {}
   for x in leaves:
@@ -196,12 +197,18 @@ def _tree_found_inf(tree: Any) -> jax.Array:
   return functools.reduce(lax.bitwise_or, found) if found else jnp.array(False)
 
 
+def _one_device() -> bool:
+  """Whether this process sees one device, so that no array can be sharded: the finite check's
+  concatenation and the row-major constraint would make GSPMD gather sharded gradients."""
+  return jax.device_count() == 1
+
+
 def _concatenate_small(leaves: list[jax.Array]) -> list[jax.Array]:
   """``leaves``, those below ``_CHECK_CONCAT_BELOW`` elements flattened and concatenated per
   dtype into vectors of up to ``_CHECK_CONCAT_SIZE`` elements.
 
-  Only where there is one device: a concatenation of sharded leaves makes GSPMD gather each one
-  (a 50-leaf FSDP step: 30 all-gathers), where the sums of all leaves need one all-reduce.
+  Only on one device (``_one_device``): a concatenation of sharded leaves makes GSPMD gather each
+  one (a 50-leaf FSDP step: 30 all-gathers), where the sums of all leaves need one all-reduce.
   """
   large, small = [], {}
   for x in leaves:
@@ -220,6 +227,29 @@ def _concatenate_small(leaves: list[jax.Array]) -> list[jax.Array]:
       size += x.size
     vectors.append(run)
   return large + [lax.concatenate(run, 0) if len(run) > 1 else run[0] for run in vectors]
+
+
+def _row_major_on_cpu(tree: Any) -> Any:
+  """``tree``, its traced gradients of two or more dimensions laid out row-major, on XLA:CPU.
+
+  A gradient can leave the backward pass as a transposed dot (an attention layer's kernels):
+  bare adam reads the transpose inside its update kernel, but the finite check's reduction
+  (YNNPACK) needs it row-major and the ``lax.cond`` needs its operand materialized, so XLA:CPU
+  wrote it twice, once in the dot's layout, and copied that to row-major inside the taken
+  branch. Constrained, it is written once, row-major, for both: on a 54-leaf transformer step
+  1.07 fewer passes over the parameters' bytes and 24 fewer kernels to compile. Other backends
+  choose their own layouts; gradients already row-major are unchanged. Only on one device
+  (``_one_device``): GSPMD gathered every sharded gradient given a layout constraint.
+  """
+  if jax.default_backend() != "cpu" or not _one_device():
+    return tree
+
+  def constrain(g: Any) -> Any:
+    if not isinstance(g, jax.core.Tracer) or g.ndim < 2:
+      return g
+    return compat.row_major(g) if jnp.issubdtype(g.dtype, jnp.inexact) else g
+
+  return jax.tree.map(constrain, tree)
 
 
 def _as_array(x: Any) -> jax.Array:
@@ -528,6 +558,7 @@ def dynamic_loss_scale(
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
 
+    updates = _row_major_on_cpu(updates)  # the check's and the cond's operands: one layout
     if found_inf is None:
       found_inf = _found_inf(updates, state.hyperparams.axis_name)
       unscale_first = True
