@@ -639,7 +639,7 @@ def test_a_non_finite_value_in_any_leaf_small_or_large_is_found(dtype, bad):
   assert not bool(check(tree))
   for name, x in tree.items():
     if jnp.issubdtype(x.dtype, jnp.inexact) and x.size:
-      corrupted = x.at[(x.ndim and -1,) * x.ndim].set(bad) if x.ndim else jnp.asarray(bad, dtype)
+      corrupted = x.at[(-1,) * x.ndim].set(bad) if x.ndim else jnp.asarray(bad, dtype)
       assert bool(check({**tree, name: corrupted})), name
 
 
