@@ -709,9 +709,9 @@ def test_finite_steps_do_not_copy_the_weight_moments():
   assert "f32[64,256]{1,0} copy(" not in entry and "f32[256,256]{1,0} copy(" not in entry
 
 
-def _cond_operand_layouts(text: str) -> list[str]:
-  """The layouts (minor to major) of every array the compiled HLO's conditional takes."""
-  entry = text[text.index("\nENTRY") :]
+def _cond_operand_layouts(entry: str) -> list[str]:
+  """The layouts (minor to major) of every array the conditional of an entry computation
+  (``_compiled_entry``) takes."""
   cond = next(line for line in entry.splitlines() if " conditional(" in line)
   layouts = []
   for name in re.findall(r"%([\w.\-]+)", cond.split("conditional(")[1].split(")")[0]):
@@ -737,8 +737,7 @@ def test_attention_gradients_reach_the_check_and_the_cond_row_major_on_cpu():
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  text = jax.jit(step).lower(params, tx.init(params), x).compile().as_text()
-  layouts = _cond_operand_layouts(text)
+  layouts = _cond_operand_layouts(_compiled_entry(step, params, tx.init(params), x))
   assert "{2,1,0}" in layouts
   assert all(layout in ("{0}", "{1,0}", "{2,1,0}") for layout in layouts), layouts
 

@@ -198,8 +198,9 @@ def _tree_found_inf(tree: Any) -> jax.Array:
 
 
 def _one_device() -> bool:
-  """Whether this process sees one device, so that no array can be sharded: the finite check's
-  concatenation and the row-major constraint would make GSPMD gather sharded gradients."""
+  """Whether JAX sees one device in all (every process's together), so that no array can be
+  sharded: the finite check's concatenation and the row-major constraint would make GSPMD
+  gather sharded gradients."""
   return jax.device_count() == 1
 
 
@@ -245,9 +246,10 @@ def _row_major_on_cpu(tree: Any) -> Any:
     return tree
 
   def constrain(g: Any) -> Any:
-    if not isinstance(g, jax.core.Tracer) or g.ndim < 2:
-      return g
-    return compat.row_major(g) if jnp.issubdtype(g.dtype, jnp.inexact) else g
+    traced = isinstance(g, jax.core.Tracer)
+    if traced and g.ndim >= 2 and jnp.issubdtype(g.dtype, jnp.inexact):
+      return compat.row_major(g)
+    return g
 
   return jax.tree.map(constrain, tree)
 
