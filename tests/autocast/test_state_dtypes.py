@@ -1,10 +1,13 @@
 """State a function threads through leaves autocast in the dtype it came in with.
 
 torch updates buffers in place (``copy_``), so they keep their dtype. In JAX state goes in as an
-argument and comes back as an output: an output container with the structure of an argument's
-(``eqx.nn.State``, a linen collection, Haiku state, ``nnx`` Variables) leaves in its traced dtype.
+argument (or is closed over) and comes back as an output: an output container with the structure
+of an argument's or a closed-over value's (``eqx.nn.State``, a linen collection, Haiku state,
+``nnx`` Variables) leaves in its traced dtype.
 Ordinary outputs (activations, logits, losses) leave in the dtype the policy produced.
 """
+
+import functools
 
 import equinox as eqx
 import flax.linen as nn
@@ -12,8 +15,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
+from flax.training import train_state
 
 import jaxamp
 
@@ -126,6 +131,115 @@ def test_linen_collection_created_by_the_call_keeps_the_low_dtype(device_type, l
     variables, X, mutable=["intermediates"]
   )
   assert dtypes(mutated) == {jnp.dtype(low)}
+
+
+def closed_over_cache_loss(cache):
+  """A loss that closes over the ``cache`` collection and returns its update, as flax's examples
+  close over the train state's ``batch_stats``."""
+
+  def loss(params):
+    out, mutated = LastHidden().apply({"params": params, "cache": cache}, X, mutable=["cache"])
+    return jnp.sum(out.astype(jnp.float32)), mutated
+
+  return loss
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_linen_collection_closed_over_keeps_its_dtype(device_type, low):
+  variables = LastHidden().init(jax.random.key(0), X)
+  loss = closed_over_cache_loss(variables["cache"])
+  _, mutated = jaxamp.autocast(loss, device_type=device_type)(variables["params"])
+  assert dtypes(mutated) == {F32}
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.slow
+def test_linen_collection_closed_over_in_a_jitted_step_traces_once(device_type, low):
+  variables = LastHidden().init(jax.random.key(0), X)
+  traces = []
+
+  @jax.jit
+  def step(params, cache):
+    traces.append(cache)
+    loss = jaxamp.autocast(closed_over_cache_loss(cache), device_type=device_type)
+    (_, mutated), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), mutated["cache"]
+
+  params, cache = step(variables["params"], variables["cache"])
+  params, cache = step(params, cache)
+  assert dtypes(cache) == {F32} and len(traces) == 1
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_linen_collection_of_a_closed_over_train_state_keeps_its_dtype(device_type, low):
+  """flax's ImageNet example: the loss closes over a ``TrainState`` holding the collection."""
+
+  class TrainState(train_state.TrainState):
+    cache: dict
+
+  variables = LastHidden().init(jax.random.key(0), X)
+  state = TrainState.create(
+    apply_fn=LastHidden().apply,
+    params=variables["params"],
+    tx=optax.sgd(0.1),
+    cache=variables["cache"],
+  )
+
+  def loss(params):
+    variables = {"params": params, "cache": state.cache}
+    out, new_model_state = state.apply_fn(variables, X, mutable=["cache"])
+    return jnp.sum(out.astype(jnp.float32)), new_model_state
+
+  _, new_model_state = jaxamp.autocast(loss, device_type=device_type)(state.params)
+  assert dtypes(new_model_state) == {F32}
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_linen_collection_bound_by_functools_partial_keeps_its_dtype(device_type, low):
+  def loss(params, cache):
+    return closed_over_cache_loss(cache)(params)
+
+  variables = LastHidden().init(jax.random.key(0), X)
+  bound = functools.partial(loss, cache=variables["cache"])
+  _, mutated = jaxamp.autocast(bound, device_type=device_type)(variables["params"])
+  assert dtypes(mutated) == {F32}
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_linen_collection_held_by_a_bound_method_instance_keeps_its_dtype(device_type, low):
+  class Trainer:
+    def __init__(self, cache):
+      self.cache = cache
+
+    def loss(self, params):
+      return closed_over_cache_loss(self.cache)(params)
+
+  variables = LastHidden().init(jax.random.key(0), X)
+  trainer = Trainer(variables["cache"])
+  _, mutated = jaxamp.autocast(trainer.loss, device_type=device_type)(variables["params"])
+  assert dtypes(mutated) == {F32}
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_linen_collection_closed_over_by_a_decorated_loss_keeps_its_dtype(device_type, low):
+  def logged(fun):
+    @functools.wraps(fun)
+    def wrapper(*args):
+      return fun(*args)
+
+    return wrapper
+
+  variables = LastHidden().init(jax.random.key(0), X)
+  loss = logged(closed_over_cache_loss(variables["cache"]))
+  _, mutated = jaxamp.autocast(loss, device_type=device_type)(variables["params"])
+  assert dtypes(mutated) == {F32}
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_activations_of_a_function_closing_over_params_keep_the_low_dtype(device_type, low):
+  params = {"a": jnp.ones((6, 6), jnp.float32)}
+  out = jaxamp.autocast(lambda x: {"h": x @ params["a"]}, device_type=device_type)(X)
+  assert dtypes(out) == {jnp.dtype(low)}
 
 
 # --- Haiku ---------------------------------------------------------------------------------------

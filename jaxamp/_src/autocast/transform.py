@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -361,42 +362,97 @@ def _subtrees(treedef, offset: int = 0):
 
 
 def _state_outputs(
-  in_tree, dynamic: tuple, in_avals: tuple, out_tree, traced: tuple, out_avals: tuple
+  in_tree,
+  dynamic: tuple,
+  in_avals: tuple,
+  out_tree,
+  traced: tuple,
+  out_avals: tuple,
+  closed_over: tuple = (),
 ) -> tuple[tuple[int, Any], ...]:
   """``(jaxpr output index, traced dtype)`` of each floating output leaf that is threaded state.
 
   torch updates state in place (``copy_``), so buffers keep their dtype; in JAX state goes in as
-  an argument and comes back as an output. An output is taken to be such state when it sits in
-  an output container (an ``eqx.nn.State``, Haiku state or linen collection dict, an
-  ``nnx.State`` or Variable) that has exactly the pytree structure of a container inside one of
-  the arguments, leaf shapes included: the ``state`` of ``(out, state)`` from
-  ``model(x, state)``, the ``batch_stats`` of ``apply(variables, ..., mutable=...)``. Such
-  leaves get the dtype the function gives them without autocast, so the next call (or a float32
-  one) sees the state it expects. Bare arrays and plain tuples and lists (how functions return
-  several results, an LSTM its carry) never count: activations, logits and losses keep the dtype
-  the policy produced, as torch's outputs do.
+  an argument, or is closed over, and comes back as an output. An output is taken to be such
+  state when it sits in an output container (an ``eqx.nn.State``, Haiku state or linen
+  collection dict, an ``nnx.State`` or Variable) that has exactly the pytree structure of a
+  container inside one of the arguments or of the values in ``closed_over``, leaf shapes
+  included: the ``state`` of ``(out, state)`` from ``model(x, state)``, the ``batch_stats`` of
+  ``apply(variables, ..., mutable=...)``, also where the loss closes over the train state as
+  flax's examples do. Such leaves get the dtype the function gives them without autocast, so
+  the next call (or a float32 one) sees the state it expects. Bare arrays and plain tuples and
+  lists (how functions return several results, an LSTM its carry) never count: activations,
+  logits and losses keep the dtype the policy produced, as torch's outputs do.
   """
   in_pos = {leaf: k for k, leaf in enumerate(dynamic)}
-  out_pos = list(itertools.accumulate(traced, initial=0))
-  arguments = [arg for group in in_tree.children() for arg in group.children()]
-  containers: dict[Any, list[int]] = {}
+  argument_shapes = [
+    in_avals[in_pos[i]].shape if i in in_pos else None for i in range(in_tree.num_leaves)
+  ]
+  containers: dict[Any, list[tuple]] = {}
   offset = 0
-  for arg in arguments:
-    for node, start in _subtrees(arg, offset):
-      if node.num_leaves and _is_state_container(node):
-        containers.setdefault(node, []).append(start)
+  for arg in (arg for group in in_tree.children() for arg in group.children()):
+    _add_containers(containers, arg, argument_shapes[offset : offset + arg.num_leaves])
     offset += arg.num_leaves
+  for value in closed_over:
+    leaves, treedef = jax.tree.flatten(value)
+    _add_containers(containers, treedef, [np.shape(x) if is_array(x) else None for x in leaves])
+  out_pos = list(itertools.accumulate(traced, initial=0))
   found = {}
   for node, start in _subtrees(out_tree):
-    for in_start in containers.get(node, ()):
-      pairs = [(start + j, in_start + j) for j in range(node.num_leaves)]
-      if all(
-        traced[o] and i in in_pos and out_avals[out_pos[o]].shape == in_avals[in_pos[i]].shape
-        for o, i in pairs
-      ):
-        found.update((out_pos[o], out_avals[out_pos[o]].dtype) for o, _ in pairs)
+    for shapes in containers.get(node, ()):
+      outs = range(start, start + node.num_leaves)
+      if all(traced[o] and out_avals[out_pos[o]].shape == shapes[j] for j, o in enumerate(outs)):
+        found.update((out_pos[o], out_avals[out_pos[o]].dtype) for o in outs)
         break
   return tuple((k, dtype) for k, dtype in sorted(found.items()) if dtype in ELIGIBLE_DTYPES)
+
+
+def _add_containers(containers: dict, treedef, shapes: list) -> None:
+  """Records in ``containers`` (treedef -> leaf shapes) each state container in ``treedef``
+  whose leaves (of ``shapes``; None: not an array) are all arrays."""
+  for node, start in _subtrees(treedef):
+    leaf_shapes = tuple(shapes[start : start + node.num_leaves])
+    if node.num_leaves and _is_state_container(node) and None not in leaf_shapes:
+      containers.setdefault(node, []).append(leaf_shapes)
+
+
+def _closed_over(fun: Any, depth: int = 3) -> tuple:
+  """The values ``fun`` closes over: its closure cells, a ``functools.partial``'s arguments, a
+  bound method's instance and its attributes, and those of the functions among them, ``depth``
+  levels down."""
+  values: list = []
+  seen: set[int] = set()
+
+  def visit(f: Any, level: int) -> None:
+    if id(f) in seen or level > depth:
+      return
+    seen.add(id(f))
+    if isinstance(f, functools.partial):
+      values.extend((*f.args, *f.keywords.values()))
+      inner = [f.func, *f.args, *f.keywords.values()]
+    elif isinstance(f, types.MethodType):
+      instance = f.__self__
+      values.extend((instance, *getattr(instance, "__dict__", {}).values()))
+      inner = [f.__func__]
+    else:
+      cells = getattr(f, "__closure__", None) or ()
+      contents = [cell.cell_contents for cell in cells if _filled(cell)]
+      values.extend(contents)
+      inner = [*contents, getattr(f, "__wrapped__", None)]
+    for g in inner:
+      if callable(g):
+        visit(g, level + 1)
+
+  visit(fun, 0)
+  return tuple(values)
+
+
+def _filled(cell) -> bool:
+  try:
+    cell.cell_contents  # noqa: B018 -- an empty cell raises
+  except ValueError:
+    return False
+  return True
 
 
 def _is_state_container(treedef) -> bool:
@@ -448,7 +504,7 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
   out_tree, static_outs = out_tree_box[0]
   is_traced = tuple(leaf is _TRACED for leaf in static_outs)
   state_outputs = _state_outputs(
-    in_tree, dynamic, in_avals, out_tree, is_traced, tuple(closed.out_avals)
+    in_tree, dynamic, in_avals, out_tree, is_traced, tuple(closed.out_avals), _closed_over(fun)
   )
   result = (closed, out_tree, static_outs, state_outputs)
   if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
