@@ -467,6 +467,13 @@ def test_rank_zero_values_do_not_promote_tensors_like_torchs_zero_dim_tensors():
   assert jaxamp.autocast(fun, device_type="cpu")(X, W).dtype == jnp.bfloat16
 
 
+def test_a_weakly_typed_array_promotes_like_torchs_default_dtype_tensor():
+  # torch.arange(8) * 0.5 is a float32 tensor: added to a float16 one, the sum is float32.
+  fun = lambda x, w: x @ w + jnp.arange(8) * 0.5
+  assert (jnp.arange(8) * 0.5).weak_type
+  assert jaxamp.autocast(fun, device_type="cuda")(X, W).dtype == jnp.float32
+
+
 def test_relu_backward_keeps_no_float32_copy_of_the_activation():
   fun = jaxamp.autocast(
     lambda x, w: jnp.sum(jax.nn.relu(x @ w)).astype(jnp.float32), device_type="cuda"

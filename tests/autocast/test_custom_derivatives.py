@@ -306,6 +306,65 @@ def test_checkpointed_while_loop_gradient():
   assert_close(grad(W, X), jax.jit(jax.grad(checkpointed_loop))(W, X))
 
 
+def test_checkpointed_while_loop_backward_recomputes_the_body_as_the_forward_ran_it():
+  """The backward evaluates the loop body again (a closure-converted jaxpr) to differentiate it:
+  in float16, as the forward ran it, as torch.utils.checkpoint recomputes under the forward's
+  autocast state. A float32 recomputation would differentiate another function."""
+  jaxpr = jaxpr_utils.traced(jax.grad(cuda(checkpointed_loop)), W, X)
+  assert jaxpr_utils.float_dtypes_of(jaxpr, "tanh") == {jnp.dtype(jnp.float16)}
+
+
+def recomputing_checkpoint(fun):
+  """``fun`` as a custom_vjp that saves its input and recomputes ``fun`` in the backward, by
+  ``jax.closure_convert`` as Equinox's checkpointed loops do."""
+
+  def checkpointed(x):
+    converted, consts = jax.closure_convert(fun, x)
+
+    @jax.custom_vjp
+    def call(x, consts):
+      return converted(x, *consts)
+
+    def call_fwd(x, consts):
+      return converted(x, *consts), (x, consts)
+
+    def call_bwd(saved, g):
+      _, vjp = jax.vjp(converted, *(saved[0], *saved[1]))
+      x_ct, *consts_ct = vjp(g)
+      return x_ct, tuple(consts_ct)
+
+    call.defvjp(call_fwd, call_bwd)
+    return call(x, tuple(consts))
+
+  return checkpointed
+
+
+def test_a_backward_recomputing_a_closure_converted_forward_runs_it_autocast():
+  def loss(w, x):
+    return jnp.sum(recomputing_checkpoint(lambda x: jnp.tanh(x @ w))(x) ** 2)
+
+  jaxpr = jaxpr_utils.traced(jax.grad(cuda(loss)), W, X)
+  assert jaxpr_utils.float_dtypes_of(jaxpr, "tanh") == {jnp.dtype(jnp.float16)}
+  assert_close(jax.grad(cuda(loss))(W, X), jax.grad(loss)(W, X))
+
+
+def test_a_backward_of_its_own_still_runs_as_written():
+  """Only what repeats the forward is autocast: the rule's own matmuls keep their dtypes."""
+
+  @jax.custom_vjp
+  def f(x, w):
+    return jnp.tanh(x @ w)
+
+  def f_bwd(saved, g):
+    x, w = saved
+    return (g @ w.T, x.T @ g)
+
+  f.defvjp(lambda x, w: (f(x, w), (x, w)), f_bwd)
+  loss = lambda w, x: jnp.sum(f(x, w).astype(jnp.float32))
+  dots = jaxpr_utils.dtypes_of(jaxpr_utils.traced(jax.grad(cuda(loss)), W, X), "dot_general")
+  assert [ins for ins, _ in dots].count((jnp.float16, jnp.float16)) == 1  # the forward's
+
+
 # --- diffrax -------------------------------------------------------------------------------------
 
 
@@ -357,6 +416,47 @@ def test_diffrax_solve_gradient(adjoint, device_type):
   loss, params, y0 = ode_problem(adjoint)
   grad = jax.jit(jax.grad(jaxamp.autocast(loss, device_type=device_type), argnums=(0, 1)))
   assert_close(grad(params, y0), float32_ode(adjoint)[1], device_type)
+
+
+@functools.cache
+def stiff_linear_ode(adjoint_name: str, solver_name: str):
+  """``loss(a, y0) = sum y(1)`` for ``dy/dt = a @ y`` solved by ``solver_name`` with a PID step
+  size controller: an adaptive solve, whose accepted steps depend on every rounding."""
+  diffrax = pytest.importorskip("diffrax")
+  term = diffrax.ODETerm(lambda t, y, a: a @ y)
+  controller = diffrax.PIDController(rtol=1e-3, atol=1e-4)
+
+  def loss(a, y0):
+    solution = diffrax.diffeqsolve(
+      term,
+      getattr(diffrax, solver_name)(),
+      0.0,
+      1.0,
+      0.1,
+      y0,
+      args=a,
+      stepsize_controller=controller,
+      saveat=diffrax.SaveAt(t1=True),
+      adjoint=getattr(diffrax, adjoint_name)(),
+      max_steps=1000,
+    )
+    return jnp.sum(solution.ys)
+
+  return loss
+
+
+@pytest.mark.slow  # an implicit diffrax solve, differentiated
+def test_diffrax_default_adjoint_of_an_implicit_adaptive_solve_gives_the_float16_gradient():
+  """diffrax's default adjoint recomputes the solve in its backward: under autocast it must take
+  the steps the float16 forward took, and give the gradient the direct adjoint gives."""
+  a = jax.random.normal(jax.random.key(5), (4, 4)) * 0.3
+  y0 = jnp.array([1.0, -0.5, 0.3, 0.8])
+  grad_of = lambda adjoint: jax.jit(
+    jax.grad(cuda(stiff_linear_ode(adjoint, "Kvaerno5")), argnums=1)
+  )(a, y0)
+  np.testing.assert_allclose(
+    grad_of("RecursiveCheckpointAdjoint"), grad_of("DirectAdjoint"), rtol=1e-3, atol=1e-4
+  )
 
 
 # --- optimistix ----------------------------------------------------------------------------------

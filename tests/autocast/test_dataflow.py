@@ -163,10 +163,11 @@ def test_a_broadcast_of_a_rank_0_value_is_weak():
   assert facts.is_weak(eqn_named(jaxpr, "broadcast_in_dim").outvars[0])
 
 
-def test_a_value_is_weak_when_its_runtime_value_is_weakly_typed():
-  jaxpr, facts = facts_of(lambda x: x, X)
-  (x,) = jaxpr.invars
-  assert not facts.is_weak(x) and facts.is_weak(x, jnp.asarray(1.0))  # a weakly typed value
+def test_an_array_with_dims_is_not_weak_however_jax_types_it():
+  # torch: -1e9 * mask is a float32 tensor, which promotes; JAX types it weakly.
+  mask = -1e9 * (jnp.arange(8) > 3)
+  jaxpr, facts = facts_of(lambda m: m, mask)
+  assert jaxpr.invars[0].aval.weak_type and not facts.is_weak(jaxpr.invars[0])
 
 
 def test_a_cast_of_a_fill_saturates():
@@ -217,10 +218,11 @@ def test_the_carried_facts_keep_an_atoms_root():
   assert facts.carried([reshaped]).root(reshaped) is jaxpr.invars[0]
 
 
-def test_is_weak_atom_needs_no_provenance():
+def test_a_rank_zero_value_is_weak_without_provenance():
   jaxpr = jax.make_jaxpr(lambda x, s: x * s)(X, np.float32(2.0)).jaxpr
   x, s = jaxpr.invars
-  assert dataflow.is_weak_atom(s) and not dataflow.is_weak_atom(x)
+  facts = dataflow.Provenance()
+  assert facts.is_weak(s) and not facts.is_weak(x)
 
 
 # --- what each dim varies along -------------------------------------------------------------------

@@ -222,6 +222,46 @@ def test_linen_attention_with_an_additive_bias_mask_is_finite(device_type, dtype
   value_and_grad_finite(lambda q: jnp.sum(fun(q, K, mask).astype(jnp.float32)), Q)
 
 
+# --- weakly typed masks: JAX's weak type is for scalars; an array with dims is a tensor -------
+
+WEAK_MASKS = {
+  "where-of-two-scalars": jnp.where(PAIR, 0.0, -1e4),
+  "scaled-bool-array": -1e9 * (~PAIR),
+}
+weak_masks = pytest.mark.parametrize("mask", list(WEAK_MASKS.values()), ids=list(WEAK_MASKS))
+
+
+@policies
+@weak_masks
+def test_a_weakly_typed_additive_mask_promotes_the_scores_as_torch_does(device_type, dtype, mask):
+  # torch: torch.where(pair, 0.0, -1e4) and -1e9 * ~pair are float32 tensors, not scalars.
+  assert mask.weak_type
+  fun = jaxamp.autocast(lambda q, k, m: q @ k.T + m, device_type=device_type, dtype=dtype)
+  assert fun(Q, K, mask).dtype == jnp.float32
+
+
+@policies
+@weak_masks
+def test_fully_masked_rows_under_a_weakly_typed_mask_match_float32(device_type, dtype, mask):
+  # float32: a row masked everywhere is softmax(scores + c) = softmax(scores). In 16 bits, the
+  # scores added to -1e4 lose their differences; added to -1e9, they are -inf and NaN.
+  out = jaxamp.autocast(scores_softmax, device_type=device_type, dtype=dtype)(Q, K, mask)
+  np.testing.assert_allclose(out.astype(jnp.float32), scores_softmax(Q, K, mask), atol=5e-2)
+
+
+@policies
+@pytest.mark.slow
+def test_a_mask_scaled_from_a_bool_array_in_the_function_keeps_padding_rows_finite(
+  device_type, dtype
+):
+  def attention(q, k):
+    return jax.nn.softmax(q @ k.T - 1e9 * (~PAIR))
+
+  fun = jaxamp.autocast(attention, device_type=device_type, dtype=dtype)
+  np.testing.assert_allclose(fun(Q, K).astype(jnp.float32), attention(Q, K), atol=5e-2)
+  value_and_grad_finite(lambda q: jnp.sum(fun(q, K).astype(jnp.float32) ** 2), Q)
+
+
 def masked_by_selected_fills(q, k, pair):
   """Hugging Face's Flax spelling: the mask selects between two fills made in the function."""
   zeros = jnp.full(pair.shape, 0.0).astype(jnp.float32)

@@ -74,6 +74,9 @@ class Context(NamedTuple):
     op: the enclosing op region, whose inside runs natively.
     overrides: ``autocast``'s overrides by place (``overrides.Overrides``), if any.
     scope: where the evaluated jaxpr sits, as far as the overrides can tell.
+    recomputed: in a custom_vjp's backward, the source sites (``regions.site_of``) of its
+      forward: eqns traced from them recompute the forward and are autocast, every other
+      computing eqn runs as written. None elsewhere.
   """
 
   policy: Policy
@@ -81,6 +84,7 @@ class Context(NamedTuple):
   op: regions.OpRegion | None = None
   overrides: Overrides | None = None
   scope: Scope = OUTSIDE
+  recomputed: frozenset | None = None
 
   def within(self, eqn) -> Context:
     """The context of ``eqn``'s bodies: their scope, where there are overrides."""
@@ -176,7 +180,7 @@ class Env:
     if fill is not None:  # a fill in the target dtype: no convert, no float32 copy kept
       converted = compat.bind(fill, [casting.saturating_constant(fill.invars[0].val, dtype)])[0]
     else:
-      saturate = saturate or self.facts.saturates(atom, value)
+      saturate = saturate or self.facts.saturates(atom)
       converted = self.casts.convert(value, dtype, saturate=saturate)
     if self.ctx.policy.cache_enabled:
       self.casts.made[key] = converted

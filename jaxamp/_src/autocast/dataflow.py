@@ -113,23 +113,25 @@ class Provenance:
     """Whether ``atom`` was computed from other values (an activation), not passed in."""
     return not compat.is_literal(atom) and self.root(atom) in self.computed
 
-  def is_weak(self, atom, value=None) -> bool:
+  def is_weak(self, atom) -> bool:
     """A scalar that follows the other operand's dtype instead of promoting it.
 
-    Python scalars (literals, weakly typed values, also once passed into a jit or converted
-    there, as in ``jnp.clip(x, 0)``) and, as torch's 0-dim tensors, rank-0 values and
-    broadcasts of them (``jnp.where(m, x, jnp.finfo(jnp.float32).min)``, relu's zeros).
+    As torch's Python scalars and 0-dim tensors: literals (also once passed into a jit or
+    converted there, as in ``jnp.clip(x, 0)``), rank-0 values, and broadcasts of them
+    (``jnp.where(m, x, jnp.finfo(jnp.float32).min)``, relu's zeros). An array with dims is a
+    tensor in torch, of the default dtype where JAX calls it weakly typed (``1e9 * mask``,
+    ``jnp.where(m, 0.0, -1e4)``, ``jnp.arange(n) * 0.5``): it promotes like any other.
     """
-    if is_weak_atom(atom, value):
+    if compat.is_literal(atom) or not atom.aval.shape:
       return True
     source = self.source.get(atom)
     return atom in self.weak or source is not None and not source.aval.shape
 
-  def saturates(self, atom, value=None) -> bool:
+  def saturates(self, atom) -> bool:
     """Whether a cast of ``atom`` into a 16-bit dtype keeps finite values finite: a Python
     scalar or fill (``is_weak``) that was not computed; a computed value overflows, as in
     torch."""
-    return self.is_weak(atom, value) and not self.is_computed(atom)
+    return self.is_weak(atom) and not self.is_computed(atom)
 
   def carried(self, atoms) -> Provenance:
     """The facts about ``atoms`` alone, for a part of the jaxpr evaluated on its own."""
@@ -220,14 +222,6 @@ def _stride_spans(shape) -> list[tuple[int, int]]:
     spans.append((stride, stride * size))
     stride *= size
   return spans[::-1]
-
-
-def is_weak_atom(atom, value=None) -> bool:
-  """``Provenance.is_weak`` from the atom and its value alone: a literal, a weakly typed or a
-  rank-0 value."""
-  if compat.is_literal(atom) or getattr(atom.aval, "weak_type", False) or not atom.aval.shape:
-    return True
-  return value is not None and getattr(compat.typeof(value), "weak_type", False)
 
 
 def activation_reads(jaxpr) -> set[Any]:

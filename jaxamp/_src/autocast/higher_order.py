@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -39,10 +40,11 @@ _rewrites = caches.weak_lru_cache("higher_order.rewrites", _CACHE_SIZE)
 
 
 def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
-  """The avals of a body's invars with the dtypes of the values now flowing into them.
-
-  Values that follow their partner's dtype outside (Python scalars, fills like ``zeros_like``:
-  ``weak``) stay weak inside, so ``jnp.where(m, x, jnp.zeros_like(x))``'s jit does not promote.
+  """The avals of a body's invars with the dtypes of the values now flowing into them, weakly
+  typed where the value follows its partner's dtype outside (``weak``: Python scalars, fills
+  like ``zeros_like``), so ``jnp.where(m, x, jnp.zeros_like(x))``'s jit does not promote. The
+  body reads its weak invars from these types (``rewrite``); an array JAX typed weakly for
+  other reasons (``-1e9 * mask``) is a tensor in torch and strong inside too.
   """
   avals = []
   weak = tuple(weak) or (False,) * len(invars)
@@ -50,20 +52,21 @@ def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
     aval = compat.typeof(value)
     if aval.dtype != var.aval.dtype:
       avals.append(compat.aval_with_dtype(var.aval, aval.dtype))
-    elif (
-      (follows or getattr(aval, "weak_type", False))
-      and not var.aval.weak_type
-      and jnp.issubdtype(aval.dtype, jnp.inexact)
-    ):
-      avals.append(var.aval.update(weak_type=True))
+    elif jnp.issubdtype(aval.dtype, jnp.inexact) and var.aval.weak_type != follows:
+      avals.append(var.aval.update(weak_type=follows))
     else:
       avals.append(var.aval)
   return tuple(avals)
 
 
-def weak_inputs(eqn, env: Env) -> list[bool]:
-  """Which inputs are fills or converted Python scalars (``Provenance.weak``) outside."""
-  return [not compat.is_literal(a) and a in env.facts.weak for a in eqn.invars]
+def weak_inputs(atoms, env: Env) -> list[bool]:
+  """Which of ``atoms`` follow their partner's dtype outside (``Provenance.is_weak``)."""
+  return [not compat.is_literal(a) and env.facts.is_weak(a) for a in atoms]
+
+
+def _weak_flags(avals) -> tuple[bool, ...]:
+  """Which of a body's invars are weak: those ``body_avals`` typed weakly."""
+  return tuple(bool(getattr(aval, "weak_type", False)) for aval in avals)
 
 
 def known_constants(atoms, ctx: Context) -> tuple:
@@ -119,6 +122,7 @@ def rewrite(
     constants,
   )
   recording = context.current_recorder() is not None
+  weak = _weak_flags(in_avals)
   hit = None if recording else _rewrites.get(key)
   if hit is not None:
     return hit
@@ -129,7 +133,7 @@ def rewrite(
     )
     compat.trace(
       lambda *args: evaluate_body(
-        jaxpr, consts, args, ctx, discovery, out_dtypes, computed, constants
+        jaxpr, consts, args, ctx, discovery, out_dtypes, computed, constants, weak
       ),
       in_avals,
     )
@@ -147,7 +151,7 @@ def rewrite(
     }
     env = Env(ctx, path, casts=casting.CastCache(precast=precast))
     args = (*invariants, *rest)
-    return evaluate_body(jaxpr, consts, args, ctx, env, out_dtypes, computed, constants)
+    return evaluate_body(jaxpr, consts, args, ctx, env, out_dtypes, computed, constants, weak)
 
   closed = compat.trace(body, (*in_avals[:hoist], *extra_avals, *in_avals[hoist:]))
   if recording:
@@ -157,11 +161,21 @@ def rewrite(
 
 
 def evaluate_body(
-  jaxpr, consts, args, ctx: Context, env: Env, out_dtypes=None, computed=(), constants=()
+  jaxpr,
+  consts,
+  args,
+  ctx: Context,
+  env: Env,
+  out_dtypes=None,
+  computed=(),
+  constants=(),
+  weak=(),
 ) -> list:
   """``jaxpr`` evaluated by the interpreter in ``env``, its outputs cast to ``out_dtypes`` (None
   entries, or None: as they come)."""
-  outs = evaluate(jaxpr, consts, args, ctx, env=env, computed=computed, constants=constants)
+  outs = evaluate(
+    jaxpr, consts, args, ctx, env=env, computed=computed, constants=constants, weak=weak
+  )
   if out_dtypes is None:
     return outs
   return [casting.as_dtype(v, d) for v, d in zip(outs, out_dtypes, strict=True)]
@@ -198,8 +212,8 @@ class BodyInputs(NamedTuple):
       it was declared with, whatever autocast made of its initial value outside).
     computed: which inputs are activations computed outside (``is_computed``); loop carries are,
       by the body itself.
-    weak: which inputs follow their partner's dtype outside (a jit's fills and Python scalars,
-      ``weak_inputs``): they stay weak inside.
+    weak: which inputs follow their partner's dtype outside (fills and Python scalars,
+      ``weak_inputs``): they stay weak inside. Loop carries never do.
   """
 
   values: list
@@ -221,14 +235,12 @@ def body_inputs(eqn, invals: Sequence[Any], env: Env) -> BodyInputs:
   """The ``BodyInputs`` of ``eqn`` on ``invals``: one definition for rewriting its bodies and
   for evaluating them eagerly (``precision_report``)."""
   values, computed = list(invals), list(computed_inputs(env, eqn.invars))
+  weak = weak_inputs(eqn.invars, env)
   carries = _carries(eqn)
   if carries is not None:
     values[carries] = restore_carries(env, eqn.invars[carries], values[carries])
     computed[carries] = [True] * len(values[carries])
-  if eqn.primitive in (prims.jit_p, prims.composite_p):
-    weak = weak_inputs(eqn, env)
-  else:
-    weak = [False] * len(values)
+    weak[carries] = [False] * len(values[carries])
   return BodyInputs(values, tuple(computed), tuple(weak))
 
 
@@ -265,13 +277,14 @@ def _closed_call_rule(eqn, invals, env, ctx):
 
 def _remat_rule(eqn, invals, env, ctx):
   jaxpr = eqn.params["jaxpr"]
+  inputs = body_inputs(eqn, invals, env)
   new, _ = rewrite(
     jaxpr,
     (),
-    body_avals(jaxpr.invars, invals),
+    body_avals(jaxpr.invars, invals, inputs.weak),
     ctx,
     path=sub_path(env.path, eqn),
-    computed=body_inputs(eqn, invals, env).computed,
+    computed=inputs.computed,
   )
   body, consts = compat.open_jaxpr(new)
   prevent_cse = eqn.params["prevent_cse"]
@@ -297,7 +310,7 @@ def _scan_rule(eqn, invals, env, ctx):
   new, hoisted = rewrite(
     closed.jaxpr,
     closed.consts,
-    body_avals(closed.jaxpr.invars, invals),
+    body_avals(closed.jaxpr.invars, invals, inputs.weak),
     ctx,
     scan_out_dtypes(eqn),
     hoist=n_consts,
@@ -320,7 +333,11 @@ def _while_rule(eqn, invals, env, ctx):
   new_cond, _ = rewrite(
     cond.jaxpr,
     cond.consts,
-    body_avals(cond.jaxpr.invars, [*cond_consts, *carry]),
+    body_avals(
+      cond.jaxpr.invars,
+      [*cond_consts, *carry],
+      inputs.weak[:n_cond] + inputs.weak[n_cond + n_body :],
+    ),
     ctx,
     declared_dtypes(cond.jaxpr.outvars),
     path=sub_path(env.path, eqn, "cond"),
@@ -328,7 +345,7 @@ def _while_rule(eqn, invals, env, ctx):
   new_body, hoisted = rewrite(
     body.jaxpr,
     body.consts,
-    body_avals(body.jaxpr.invars, [*body_consts, *carry]),
+    body_avals(body.jaxpr.invars, [*body_consts, *carry], inputs.weak[n_cond:]),
     ctx,
     declared_dtypes(body.jaxpr.outvars),
     hoist=n_body,
@@ -346,12 +363,13 @@ def _cond_rule(eqn, invals, env, ctx):
   branches = eqn.params["branches"]
   operands = invals[1:]
   out_dtypes = declared_dtypes(branches[0].jaxpr.outvars)
-  computed = body_inputs(eqn, invals, env).computed[1:]  # the index is not an operand
+  inputs = body_inputs(eqn, invals, env)
+  computed, weak = inputs.computed[1:], inputs.weak[1:]  # the index is not an operand
   new = tuple(
     rewrite(
       b.jaxpr,
       b.consts,
-      body_avals(b.jaxpr.invars, operands),
+      body_avals(b.jaxpr.invars, operands, weak),
       ctx,
       out_dtypes,
       path=sub_path(env.path, eqn, f"branch{i}"),
@@ -367,8 +385,9 @@ def _shard_map_rule(eqn, invals, env, ctx):
   params = eqn.params
   body = params["jaxpr"]
   path = sub_path(env.path, eqn)
+  weak = weak_inputs(eqn.invars, env)
   mapped = jax.shard_map(
-    lambda *args: tuple(evaluate(body, (), args, ctx, path=path)),
+    lambda *args: tuple(evaluate(body, (), args, ctx, path=path, weak=weak)),
     mesh=params["mesh"],
     in_specs=params["in_specs"],
     out_specs=params["out_specs"],
@@ -387,6 +406,7 @@ def _linear_solve_rule(eqn, invals, env, ctx):
   new, start = [], 0
   for length, closed in zip(lengths, jaxprs, strict=True):
     consts = invals[start : start + length]
+    weak = weak_inputs(eqn.invars[start : start + length], env) + [False] * len(b)
     start += length
     if closed is None:
       new.append(None)
@@ -397,7 +417,7 @@ def _linear_solve_rule(eqn, invals, env, ctx):
       rewrite(
         closed.jaxpr,
         closed.consts,
-        body_avals(closed.jaxpr.invars, body_in),
+        body_avals(closed.jaxpr.invars, body_in, weak),
         ctx,
         b_dtypes,
         path=sub_path(env.path, eqn),
@@ -443,6 +463,7 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
   body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
   rule = compat.custom_jvp_rule(eqn)
   path = sub_path(env.path, eqn, "jvp")
+  primals_weak = weak_inputs(eqn.invars[num_consts:], env)
 
   @jax.custom_jvp
   def autocast_fun(*xs):
@@ -461,7 +482,9 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
 
     # Tangents are computed values: cast as such (never clipped), the rule stays linear in them.
     computed = (False,) * len(primals) + (True,) * len(nonzero)
-    outs = evaluate(jaxpr, consts, [*primals, *nonzero], ctx, path=path, computed=computed)
+    outs = evaluate(
+      jaxpr, consts, [*primals, *nonzero], ctx, path=path, computed=computed, weak=primals_weak
+    )
     outs, nonzero_out = outs[:n], outs[n:]
     outs = _match(outs, out_dtypes)
     nonzero_dtypes = [d for d, zero in zip(out_dtypes, out_zeros, strict=True) if not zero]
@@ -555,6 +578,11 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
   ct_avals = body.out_avals if as_saved else [v.aval for v in eqn.outvars]
   in_avals = [compat.typeof(v) for v in invals]
   path = sub_path(env.path, eqn, "fwd")
+  fwd_weak = weak_inputs(eqn.invars[num_consts:], env)
+  recomputing = (
+    None if as_saved else ctx._replace(recomputed=_sites(eqn.params["call_jaxpr"].jaxpr))
+  )
+  bwd_path = sub_path(env.path, eqn, "bwd")
 
   @jax.custom_vjp
   def autocast_fun(*xs):
@@ -565,7 +593,7 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
       raise compat.closed_over_perturbed()  # as JAX does, rather than a zero gradient
     values = [x.value for x in xs]
     jaxpr, consts = fwd_jaxpr(tuple(x.perturbed for x in xs[num_consts:]))
-    res_and_outs = evaluate(jaxpr, consts, values[num_consts:], ctx, path=path)
+    res_and_outs = evaluate(jaxpr, consts, values[num_consts:], ctx, path=path, weak=fwd_weak)
     residuals, residual_dtypes, outs = split(jaxpr, res_and_outs, values)
     # The dtypes bwd expects, as zero-size arrays: they depend on the flags fwd ran with.
     expected = () if as_saved else tuple(map(_dtype_marker, residual_dtypes))
@@ -584,7 +612,8 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
     cts = [cotangent(ct, aval) for ct, aval in zip(cts, ct_avals, strict=True)]
     token = _backward_policy.set(bwd_policy)
     try:
-      in_cts = bwd(*residuals, *cts)
+      args = [*residuals, *cts]
+      in_cts = bwd(*args) if recomputing is None else _backward(bwd, args, recomputing, bwd_path)
     finally:
       _backward_policy.reset(token)
     # No cotangent (a symbolic zero) for consts, as in JAX, nor where bwd gives none.
@@ -596,6 +625,64 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
 
   autocast_fun.defvjp(autocast_fwd, autocast_bwd, symbolic_zeros=True)
   return list(autocast_fun(*invals))
+
+
+def _backward(bwd: Callable, args: list, ctx: Context, path: str) -> list:
+  """``bwd(*args)``, a custom_vjp's backward, where the eqns that recompute its forward (traced
+  from the forward's sites, ``ctx.recomputed``) run autocast as the forward did, and the rest as
+  written. torch.utils.checkpoint recomputes a forward under the autocast state it ran in, and
+  runs a custom backward without one: Equinox's checkpointed loops (diffrax's default adjoint)
+  recompute their body in the backward, and a float32 recomputation of a float16 forward takes
+  other steps, so the gradient is of another function. ``bwd`` is traced once; without a
+  recomputation its jaxpr is evaluated as it is."""
+  dynamic = [i for i, x in enumerate(args) if isinstance(x, jax.core.Tracer)]
+  outs_of_bwd = []
+
+  def traced_bwd(*values):
+    full = list(args)
+    for i, value in zip(dynamic, values, strict=True):
+      full[i] = value
+    outs = list(bwd(*full))
+    outs_of_bwd.append(outs)
+    return [out for out in outs if _is_array_ct(out)]
+
+  closed = compat.trace(traced_bwd, [compat.typeof(args[i]) for i in dynamic])
+  values = [args[i] for i in dynamic]
+  if _has_site(closed.jaxpr, ctx.recomputed):
+    computed = iter(evaluate(closed.jaxpr, closed.consts, values, ctx, path=path))
+  else:
+    computed = iter(compat.jaxpr_as_fun(closed)(*values))
+  return [next(computed) if _is_array_ct(out) else out for out in outs_of_bwd[0]]
+
+
+def _is_array_ct(ct) -> bool:
+  """Whether a cotangent ``bwd`` returned is an array (not None, not a symbolic zero)."""
+  return ct is not None and not compat.is_symbolic_zero(ct)
+
+
+_forward_sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sites(jaxpr) -> frozenset:
+  """The source sites (``regions.site_of``) of ``jaxpr``'s eqns and its bodies'."""
+  sites = _forward_sites.get(jaxpr)
+  if sites is None:
+    found = set()
+    for eqn in jaxpr.eqns:
+      found.add(regions.site_of(eqn))
+      for body in compat.sub_jaxprs(eqn):
+        found |= _sites(body)
+    found.discard(())
+    sites = _forward_sites.setdefault(jaxpr, frozenset(found))
+  return sites
+
+
+def _has_site(jaxpr, sites: frozenset) -> bool:
+  """Whether an eqn of ``jaxpr`` or its bodies was traced from one of ``sites``."""
+  return any(
+    regions.site_of(eqn) in sites or any(_has_site(body, sites) for body in compat.sub_jaxprs(eqn))
+    for eqn in jaxpr.eqns
+  )
 
 
 def _dtype_marker(dtype) -> jax.Array:

@@ -38,12 +38,14 @@ def evaluate(
   path: str = "",
   computed: Sequence[bool] = (),
   constants: Sequence[Any] = (),
+  weak: Sequence[bool] = (),
 ) -> list[Any]:
   """Evaluates ``jaxpr`` on ``args`` in the current trace, casting as ``ctx``'s policy says.
 
   ``computed`` flags the invars that are activations computed outside (the others, like the
   constvars, are parameters or constants, unless the jaxpr itself reads them as activations);
-  ``constants`` gives the values of invars known while tracing (Python scalars; None if not).
+  ``constants`` gives the values of invars known while tracing (Python scalars; None if not);
+  ``weak`` flags the invars that follow their partner's dtype outside (fills, scalars).
   """
   env = env if env is not None else Env(ctx, path)
   inherited = ctx.op.instance if ctx.op is not None else None
@@ -54,6 +56,7 @@ def evaluate(
     env.values[var] = value
     env.region[var] = inherited
   env.facts.computed.update(var for var, flag in zip(jaxpr.invars, computed, strict=False) if flag)
+  env.facts.weak.update(var for var, flag in zip(jaxpr.invars, weak, strict=False) if flag)
   env.facts.constants.update(
     (var, value) for var, value in zip(jaxpr.invars, constants, strict=False) if value is not None
   )
@@ -61,6 +64,8 @@ def evaluate(
   last_read = _last_reads(jaxpr)
   last_use = _dying_at(last_read, len(jaxpr.eqns))
   marks = [regions.marks_of(eqn) for eqn in jaxpr.eqns]
+  if ctx.recomputed is not None:
+    marks = [_recomputing(eqn, m, ctx) for eqn, m in zip(jaxpr.eqns, marks, strict=True)]
   inside = None
   if ctx.op is not None:
     inside = op_calls.OpCall(ctx.op, ctx.op.instance, op_calls.op_category(ctx.op, ctx.policy))
@@ -100,6 +105,15 @@ def evaluate(
 
 
 _KEPT = regions.Marks(True, ())
+
+
+def _recomputing(eqn, marks: regions.Marks, ctx: Context) -> regions.Marks:
+  """An eqn's marks in a custom_vjp's backward: kept (run as written, as torch runs a custom
+  backward) unless it recomputes the forward (its site is one of the forward's) or holds bodies
+  that may (a loop, a call), which are evaluated eqn by eqn."""
+  if eqn.primitive in ctx.rules.higher_order or regions.site_of(eqn) in ctx.recomputed:
+    return marks
+  return _KEPT
 
 
 def _overridden(eqns, marks: list[regions.Marks], ctx: Context) -> list[Override | None] | None:

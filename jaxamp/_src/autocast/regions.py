@@ -310,6 +310,15 @@ def marks_of(eqn) -> Marks:
   return Marks(False, named + library, (None,) * len(named) + positions)
 
 
+def site_of(eqn) -> tuple:
+  """Where ``eqn`` was traced: its Python frames (code, offset), innermost first; () unknown.
+
+  JAX keeps an eqn's traceback when it evaluates, differentiates or transposes the eqn, so the
+  eqns of a recomputation (an Equinox closure-converted body evaluated again in a custom_vjp's
+  backward) and their transposes share the site of the forward eqn they repeat."""
+  return compat.traceback_code_frames(eqn)
+
+
 @caches.lru_cache("regions.named_ops", maxsize=4096)
 def _named_op(scope: str, version: int) -> OpRegion:
   """The op region a ``jaxamp.op:`` scope names, under registrations of ``version``."""

@@ -181,9 +181,7 @@ def _float32_target(atoms, floats, env, policy) -> np.dtype:
 
 def _promote_target(atoms, floats, env, policy) -> np.dtype | None:
   strong = [
-    env.dtype(a)
-    for a, f in zip(atoms, floats, strict=True)
-    if f and not env.facts.is_weak(a, env.read(a))
+    env.dtype(a) for a, f in zip(atoms, floats, strict=True) if f and not env.facts.is_weak(a)
   ]
   return casting.widest(strong) if strong else None
 
@@ -283,7 +281,7 @@ def _convert(eqn, env: Env, ctx: Context) -> Applied:
   """A Python scalar made concrete inside a jit (``jnp.where(x, y, 0.0)``, ``jnp.clip(x, 0)``):
   the dtype it was traced to is its partner's, which autocast may change; it stays weak."""
   source = eqn.invars[0]
-  if not env.facts.is_weak(source, env.read(source)):
+  if not env.facts.is_weak(source):
     return by_category(eqn, env, ctx)
   if eqn.params["new_dtype"] == source.aval.dtype:
     value = env.read(source)
@@ -524,7 +522,7 @@ def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:
     dtypes = {compat.typeof(invals[i]).dtype for i in members}
     if len(dtypes) < 2:
       continue
-    weak = {i: env.facts.is_weak(eqn.invars[i], invals[i]) for i in members}
+    weak = {i: env.facts.is_weak(eqn.invars[i]) for i in members}
     refs = [compat.typeof(invals[i]).dtype for i in members if compat.is_ref(invals[i])]
     strong = [compat.typeof(invals[i]).dtype for i in members if not weak[i]]
     # A Ref keeps its dtype: what is stored into it is cast instead.
@@ -539,7 +537,7 @@ def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:
       if not compat.is_literal(atom) and invals[i] is env.read(atom):
         invals[i] = env.cast(atom, target)  # cached, and a fill is made in the target dtype
       else:
-        saturate = env.facts.saturates(atom, invals[i])
+        saturate = env.facts.saturates(atom)
         invals[i] = env.casts.convert(invals[i], target, saturate=saturate)
   return invals, rounded_to
 
@@ -625,6 +623,6 @@ def record_facts(eqn, env: Env, applied: Applied) -> None:
     facts.note_weak_flow(eqn)
     if eqn.primitive is prims.convert_element_type_p:
       source = eqn.invars[0]
-      if facts.is_weak(source, env.read(source)):
+      if facts.is_weak(source):
         facts.weak.update(eqn.outvars)
   facts.note(eqn)
