@@ -122,10 +122,10 @@ def rewrite(
     constants,
   )
   recording = context.current_recorder() is not None
-  weak = _weak_flags(in_avals)
   hit = None if recording else _rewrites.get(key)
   if hit is not None:
     return hit
+  weak = _weak_flags(in_avals)
   hoisted: tuple = ()
   if hoist:
     discovery = Env(
@@ -579,9 +579,6 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
   in_avals = [compat.typeof(v) for v in invals]
   path = sub_path(env.path, eqn, "fwd")
   fwd_weak = weak_inputs(eqn.invars[num_consts:], env)
-  recomputing = (
-    None if as_saved else ctx._replace(recomputed=_sites(eqn.params["call_jaxpr"].jaxpr))
-  )
   bwd_path = sub_path(env.path, eqn, "bwd")
 
   @jax.custom_vjp
@@ -613,7 +610,11 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
     token = _backward_policy.set(bwd_policy)
     try:
       args = [*residuals, *cts]
-      in_cts = bwd(*args) if recomputing is None else _backward(bwd, args, recomputing, bwd_path)
+      if as_saved:
+        in_cts = bwd(*args)
+      else:  # the forward's sites, found once the backward runs: none without differentiation
+        forward = ctx._replace(recomputed=_sites(eqn.params["call_jaxpr"].jaxpr))
+        in_cts = _backward(bwd, args, forward, bwd_path)
     finally:
       _backward_policy.reset(token)
     # No cotangent (a symbolic zero) for consts, as in JAX, nor where bwd gives none.
