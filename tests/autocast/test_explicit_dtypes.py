@@ -59,6 +59,27 @@ def test_the_callers_preferred_element_type_is_kept(device_type):
   assert jaxamp.autocast(dot, device_type=device_type)(X, W).dtype == jnp.float32
 
 
+GROUPS = jnp.array([1, 3], jnp.int32)
+CALLER_CHOSE_FLOAT32 = {  # matmuls that record preferred_element_type only when given one
+  "conv": lambda x, w, **kw: lax.conv_general_dilated(
+    x[None, None], w[None, None], (1, 1), "SAME", **kw
+  ),
+  "ragged_dot": lambda x, w, **kw: lax.ragged_dot(x, jnp.stack([w, w]), GROUPS, **kw),
+}
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("name", sorted(CALLER_CHOSE_FLOAT32))
+def test_a_float32_preferred_element_type_on_float32_operands_is_kept(device_type, name):
+  matmul = CALLER_CHOSE_FLOAT32[name]
+  chosen = jaxamp.autocast(
+    lambda x, w: matmul(x, w, preferred_element_type=jnp.float32), device_type=device_type
+  )
+  default = jaxamp.autocast(matmul, device_type=device_type)
+  assert chosen(X, W).dtype == jnp.float32
+  assert default(X, W).dtype == jaxamp.get_autocast_dtype(device_type)
+
+
 @pytest.mark.parametrize("device_type", DEVICES)
 def test_a_16_bit_input_summed_without_dtype_returns_the_policys_dtype(device_type):
   # jnp.sum's own float16 upcast-then-restore is not an explicit dtype.

@@ -111,6 +111,8 @@ COMBINER_PARAM = {
 # Primitives that compute in the low dtype: their outputs are ``lowered`` (a bias added to them
 # stays low), and inside a LOWER op everything they read is cast.
 MATMULS = frozenset({prims.dot_general_p, prims.conv_general_dilated_p, prims.ragged_dot_general_p})
+# Matmuls whose jaxpr records no ``preferred_element_type`` unless the caller passed one.
+RESULT_TYPE_UNSET_BY_DEFAULT = frozenset({prims.conv_general_dilated_p, prims.ragged_dot_general_p})
 
 
 # Arithmetic and comparisons with a Python scalar: torch computes them in float32 ("opmath")
@@ -333,6 +335,22 @@ def explicit_precision(eqn) -> bool:
   return any(part is not None and part != lax.Precision.DEFAULT for part in parts)
 
 
+def explicit_result_type(eqn) -> np.dtype | None:
+  """The result dtype a matmul's caller chose (``preferred_element_type=``); None for JAX's own.
+
+  A conv or ragged dot records one only when the caller gave it. jnp's dot functions always
+  record one, the traced inputs' dtype by default: there only another dtype was chosen.
+  """
+  preferred = eqn.params.get("preferred_element_type")
+  if preferred is None:
+    return None
+  preferred = jnp.dtype(preferred)
+  if eqn.primitive in RESULT_TYPE_UNSET_BY_DEFAULT:
+    return preferred
+  traced = casting.widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
+  return None if preferred == traced else preferred
+
+
 def _matmul(eqn, env: Env, ctx: Context) -> Applied:
   """A dot or conv with an explicit ``precision=`` runs in its traced dtypes, as the caller
   asked (diffrax's Runge-Kutta combination uses ``precision=HIGHEST``); others by category."""
@@ -359,10 +377,7 @@ def _fp8_matmul(eqn, env: Env, ctx: Context) -> Applied:
   parameter is not rounded to 16 bits first), its product in the policy's dtype unless the
   caller chose a ``preferred_element_type``."""
   invals = [env.read(a) for a in eqn.invars]
-  preferred = eqn.params.get("preferred_element_type")
-  traced = casting.widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
-  explicit = preferred is not None and jnp.dtype(preferred) != traced
-  out_dtype = preferred if explicit else ctx.policy.dtype
+  out_dtype = explicit_result_type(eqn) or ctx.policy.dtype
   outs = fp8.bind(eqn, invals, out_dtype, ctx.policy.gradient_dtype)
   return Applied(outs, Ruling(Decider.FP8, Category.LOWER), invals)
 
@@ -552,17 +567,12 @@ def _fits(atom, value, env: Env, dtype: np.dtype) -> bool:
 
 
 def _result_type_params(eqn, invals) -> dict | None:
-  """dot/conv params whose result dtype follows the new inputs, unless the caller fixed it.
-
-  ``preferred_element_type`` equal to the traced inputs' dtype is JAX's default and follows the
-  inputs; any other value was chosen explicitly and is kept.
-  """
-  if eqn.primitive not in MATMULS:
-    return None
+  """dot/conv params whose result dtype follows the new inputs, unless the caller fixed it."""
   preferred = eqn.params.get("preferred_element_type")
-  traced_inputs = casting.widest([jnp.dtype(a.aval.dtype) for a in eqn.invars])
+  if eqn.primitive not in MATMULS or preferred is None or explicit_result_type(eqn) is not None:
+    return None
   new_inputs = casting.widest([compat.typeof(v).dtype for v in invals])
-  if preferred is None or jnp.dtype(preferred) != traced_inputs or new_inputs == traced_inputs:
+  if new_inputs == jnp.dtype(preferred):
     return None
   return dict(eqn.params, preferred_element_type=new_inputs)
 
