@@ -94,6 +94,13 @@ EXAMPLES = {
   ("jax.nn", "glu"): (jax.nn.glu, (X,)),
   ("jax.nn", "relu"): (jax.nn.relu, (X,)),
   ("jax.scipy.special", "logsumexp"): (jax.nn.logsumexp, (X,)),
+  ("jax.image", "resize"): (lambda a: jax.image.resize(a, (8, 8), "bilinear"), (X,)),
+  ("jax.image", "scale_and_translate"): (
+    lambda a: jax.image.scale_and_translate(
+      a, (8, 8), (0, 1), jnp.array([2.0, 2.0]), jnp.zeros(2), "linear"
+    ),
+    (X,),
+  ),
   ("jax.numpy", "tensordot"): (lambda a: jnp.tensordot(a, a.T, 1), (X,)),
   ("jax.numpy", "cross"): (lambda a: jnp.cross(a, a[::-1]), (x_of(3),)),
   ("jax.numpy", "trace"): (jnp.trace, (spd(),)),
@@ -168,6 +175,7 @@ EXAMPLES = {
   ("flax.linen", "RMSNorm.__call__"): linen(nn.RMSNorm(), X),
   ("flax.linen", "InstanceNorm.__call__"): linen(nn.InstanceNorm(), x_of(2, 3, 4)),
   ("flax.linen", "PReLU.__call__"): linen(nn.PReLU(), X),
+  ("flax.linen", "avg_pool"): (lambda a: nn.avg_pool(a, (2,), padding="SAME"), (x_of(2, 3, 4),)),
   ("flax.nnx", "LayerNorm.__call__"): nnx_call(nnx.LayerNorm(4, rngs=nnx.Rngs(0)), X),
   ("flax.nnx", "GroupNorm.__call__"): nnx_call(nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0)), X),
   ("flax.nnx", "BatchNorm.__call__"): nnx_call(nnx.BatchNorm(4, rngs=nnx.Rngs(0)), X),
@@ -182,11 +190,15 @@ EXAMPLES = {
     lambda x: hk.BatchNorm(True, True, 0.9)(x, is_training=True), X, with_state=True
   ),
   ("haiku", "RMSNorm.__call__"): haiku(lambda x: hk.RMSNorm(-1)(x), X),
+  ("haiku", "avg_pool"): (lambda a: hk.avg_pool(a, (1, 2, 1), (1, 2, 1), "SAME"), (x_of(2, 3, 4),)),
   ("equinox.nn", "LayerNorm.__call__"): (eqx.nn.LayerNorm(4), (V,)),
   ("equinox.nn", "GroupNorm.__call__"): (eqx.nn.GroupNorm(2, 4), (x_of(4, 3),)),
   ("equinox.nn", "BatchNorm.__call__"): eqx_batch_norm(X),
   ("equinox.nn", "RMSNorm.__call__"): (eqx.nn.RMSNorm(4), (V,)),
   ("equinox.nn", "PReLU.__call__"): (eqx.nn.PReLU(), (V,)),
+  ("equinox.nn", "AvgPool1d.__call__"): (eqx.nn.AvgPool1d(2), (x_of(3, 4),)),
+  ("equinox.nn", "AvgPool2d.__call__"): (eqx.nn.AvgPool2d(2), (x_of(3, 4, 4),)),
+  ("equinox.nn", "AvgPool3d.__call__"): (eqx.nn.AvgPool3d(2), (x_of(3, 4, 4, 4),)),
 }
 
 
@@ -267,6 +279,67 @@ def test_norm_layer_normalises_in_float32_and_returns_the_input_dtype_on_cpu(lay
   for primitive in normalising:
     assert float_dtypes_of(jaxpr, primitive) == {F32}, primitive
   assert [v.aval.dtype for v in jaxpr.outvars] == [BF16]
+
+
+# ------------------------------------------------------------------------------------------------
+# Average pooling and interpolation: torch's kernels, whatever the library computes them with.
+
+F16 = jnp.dtype(jnp.float16)
+CONV_KERNEL = x_of(3, 3, 4, 4) * 0.1
+
+
+def _conv(x):
+  return jax.lax.conv_general_dilated(
+    x, CONV_KERNEL, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+
+
+AVERAGE_POOLS = {  # each divides a 16-bit window sum by window counts pooled from a float32 fill
+  "flax.linen.avg_pool(count_include_pad=False)": lambda h: nn.avg_pool(
+    h, (3, 3), (2, 2), padding="SAME", count_include_pad=False
+  ),
+  "flax.nnx.avg_pool(count_include_pad=False)": lambda h: nnx.avg_pool(
+    h, (3, 3), (2, 2), padding="SAME", count_include_pad=False
+  ),
+  "haiku.avg_pool(SAME)": lambda h: hk.avg_pool(h, (1, 3, 3, 1), (1, 2, 2, 1), "SAME"),
+  "haiku.AvgPool(SAME)": lambda h: hk.transform(
+    lambda h: hk.AvgPool((1, 3, 3, 1), (1, 2, 2, 1), "SAME")(h)
+  ).apply({}, None, h),
+}
+
+
+@pytest.mark.parametrize("device_type, low", [("cuda", F16), ("cpu", BF16), ("tpu", BF16)])
+@pytest.mark.parametrize("name", sorted(AVERAGE_POOLS))
+def test_an_average_pool_returns_its_inputs_16_bit_dtype(name, device_type, low):
+  # torch's avg_pool2d is on no list: its kernel accumulates in float32 and returns the input's
+  # dtype, also with count_include_pad=False (checked: bfloat16 under autocast("cpu")).
+  pool = AVERAGE_POOLS[name]
+  fun = jaxamp.autocast(lambda x: pool(_conv(x)), device_type=device_type)
+  x = x_of(2, 6, 6, 4)
+  out = jax.jit(fun)(x)
+  assert out.dtype == low
+  np.testing.assert_allclose(np.asarray(out, np.float32), pool(_conv(x)), rtol=1e-2)
+
+
+@pytest.mark.parametrize("device_type, low", [("cuda", F16), ("cpu", F32)])
+@pytest.mark.parametrize("count_include_pad", [True, False])
+def test_a_3d_average_pool_is_torchs_avg_pool3d(device_type, low, count_include_pad):
+  # avg_pool3d is on torch's CPU float32 list, unlisted on CUDA.
+  pool = lambda x, w: nn.avg_pool(
+    x @ w, (2, 2, 2), padding="SAME", count_include_pad=count_include_pad
+  )
+  out = jaxamp.autocast(pool, device_type=device_type)(x_of(2, 4, 4, 4, 3), x_of(3, 3))
+  assert out.dtype == low
+
+
+@pytest.mark.parametrize("method", ["nearest", "bilinear", "bicubic", "lanczos3"])
+@pytest.mark.parametrize("device_type, out_dtype", [("cuda", F32), ("xpu", F32), ("cpu", BF16)])
+def test_jax_image_resize_is_torchs_interpolate(method, device_type, out_dtype):
+  # torch 2.13 lists upsample_* as float32 for CUDA and XPU (AT_FORALL_FP32); on CPU they are
+  # unlisted and return the input's dtype (checked: bfloat16 under autocast("cpu")).
+  resize = lambda x, w: jax.image.resize(x @ w, (2, 8, 8, 3), method)
+  out = jaxamp.autocast(resize, device_type=device_type)(x_of(2, 4, 4, 3), x_of(3, 3))
+  assert out.dtype == out_dtype
 
 
 # ------------------------------------------------------------------------------------------------

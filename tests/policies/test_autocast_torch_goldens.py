@@ -648,7 +648,13 @@ def test_values_match_torch_golden(label, mode):
 def test_matches_torch_live(label, mode):
   module = torch_goldens.recorder()
   case, _ = counterpart(label)
-  torch_out = module.run_case(case["expr"], module.torch_inputs(case["inputs"], mode), mode)
+  try:
+    torch_out = module.run_case(case["expr"], module.torch_inputs(case["inputs"], mode), mode)
+  except RuntimeError as error:
+    if "could not create a primitive descriptor" not in str(error):
+      raise
+    # oneDNN's bfloat16 kernels (torch's CPU LSTM) need AVX-512 BF16 or AMX, which some CPUs lack.
+    pytest.skip(f"torch cannot run {label} on this CPU ({error}); the recorded golden is compared")
   expected = module.encode(torch_out)
   dtype, values = autocast_output(label, mode)
   assert dtype == expected_dtype(label, expected["dtype"], mode)

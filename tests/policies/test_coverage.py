@@ -48,7 +48,8 @@ def test_every_op_region_of_a_table_has_an_implementation(device_type):
   registered = set(regions.registered_ops())
   for row in policy.get_table(device_type).rows:
     for op in row.ops:
-      assert op in library | registered | coverage.NATIVE_PROMOTION, (device_type, op)
+      name = op.partition("[")[0]  # an op used as a variant: avg_pool[3d]
+      assert name in library | registered | coverage.NATIVE_PROMOTION, (device_type, op)
 
 
 def test_every_op_of_torch_xlas_tpu_lists_is_realised_in_its_category():

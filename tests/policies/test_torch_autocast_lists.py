@@ -784,8 +784,19 @@ def test_cpu_entry_matches_torch_live(key, mode):
     tolerance("cpu", key, torch_dtypes + dtype_names(outputs)),
     1e-4,
     LIVE_TOLERANCES.get(f"cpu/{key}", (0.0, ""))[0],
+    _bfloat16_accumulation_tolerance(key, mode),
   )
   assert_close(outputs, expected, rtol)
+
+
+def _bfloat16_accumulation_tolerance(key: str, mode: str) -> float:
+  """Below AVX-512, torch's CPU bfloat16 conv_transpose3d accumulates in bfloat16 (values ~100
+  off by up to 10.5, 0.06 of the largest, seen on an AVX2 AMD EPYC), as its float16 one does
+  everywhere; the recorded golden, from an AVX-512 machine, is still compared at 2e-2."""
+  import torch
+
+  slow_path = torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX")
+  return 0.1 if slow_path and mode == "bfloat16" and key == "torch_16/conv_transpose3d" else 0.0
 
 
 @pytest.mark.torch

@@ -31,6 +31,9 @@ EAGER_OPS = (
   ("jax.nn", "relu", "relu"),  # torch_xla lists relu (lower precision)
   # jax.nn.logsumexp is jax.scipy.special.logsumexp
   ("jax.scipy.special", "logsumexp", "logsumexp"),
+  # jax.image: torch's interpolate (upsample_nearest*, upsample_bilinear2d, ...)
+  ("jax.image", "resize", "upsample"),
+  ("jax.image", "scale_and_translate", "upsample"),
   # jax.numpy
   ("jax.numpy", "tensordot", "tensordot"),
   ("jax.numpy", "cross", "cross"),
@@ -68,7 +71,9 @@ EAGER_OPS = (
   ("optax.losses", "triplet_margin_loss", "triplet_margin_loss"),
 )
 
-# Norm and activation layers of optional libraries (their activation functions are jax.nn's).
+# Norm, activation and average-pooling layers of optional libraries (their activation functions
+# are jax.nn's). An average pooling dividing by window counts pools a fill made in the traced
+# dtype, which torch's kernel would make in the input's: as one op it returns the input's dtype.
 # Haiku's InstanceNorm is its LayerNorm's __call__, so it is a layer_norm, as it computes one.
 LAZY_OPS = (
   # flax.linen
@@ -78,6 +83,7 @@ LAZY_OPS = (
   ("flax.linen", "RMSNorm.__call__", "rms_norm"),
   ("flax.linen", "InstanceNorm.__call__", "instance_norm"),
   ("flax.linen", "PReLU.__call__", "prelu"),
+  ("flax.linen", "avg_pool", "avg_pool"),  # flax.nnx.avg_pool too
   # flax.nnx
   ("flax.nnx", "LayerNorm.__call__", "layer_norm"),
   ("flax.nnx", "GroupNorm.__call__", "group_norm"),
@@ -90,12 +96,16 @@ LAZY_OPS = (
   ("haiku", "GroupNorm.__call__", "group_norm"),
   ("haiku", "BatchNorm.__call__", "batch_norm"),
   ("haiku", "RMSNorm.__call__", "rms_norm"),
+  ("haiku", "avg_pool", "avg_pool"),  # hk.AvgPool too
   # Equinox
   ("equinox.nn", "LayerNorm.__call__", "layer_norm"),
   ("equinox.nn", "GroupNorm.__call__", "group_norm"),
   ("equinox.nn", "BatchNorm.__call__", "batch_norm"),
   ("equinox.nn", "RMSNorm.__call__", "rms_norm"),
   ("equinox.nn", "PReLU.__call__", "prelu"),
+  ("equinox.nn", "AvgPool1d.__call__", "avg_pool"),
+  ("equinox.nn", "AvgPool2d.__call__", "avg_pool"),
+  ("equinox.nn", "AvgPool3d.__call__", "avg_pool"),
 )
 
 LIBRARY_OPS = EAGER_OPS + LAZY_OPS

@@ -39,11 +39,19 @@ class OpCall(NamedTuple):
   category: Category
 
 
-def op_category(op: regions.OpRegion, policy: Policy) -> Category | None:
-  """The op's category under ``policy``; None for a plain composition (no row, no default)."""
+def op_category(op: regions.OpRegion, policy: Policy, eqn=None) -> Category | None:
+  """The op's category under ``policy`` for a call starting at ``eqn``; None for a plain
+  composition (no row, no default)."""
   if op.cast_to is not None:
     return Category.NATIVE  # custom_fwd(cast_inputs=...): cast on entry, autocast off inside
-  return policy.op_category(op.name, op.default)
+  return policy.op_category(op.name, op.default, None if eqn is None else _variant(eqn))
+
+
+def _variant(eqn) -> str | None:
+  """A finer key for ops whose torch op depends on the rank: a pooling of (N, D, H, W, C)
+  values is torch's ``avg_pool3d`` (``name[3d]`` in a table)."""
+  avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+  return "3d" if any(getattr(aval, "ndim", 0) == 5 for aval in avals) else None
 
 
 def op_calls(
@@ -75,7 +83,7 @@ def op_calls(
     if eqn_policy is not previous:
       site, previous = None, eqn_policy
     for op, at in zip(eqn_marks.ops, eqn_marks.positions, strict=True):
-      category = None if eqn_marks.kept else op_category(op, eqn_policy)
+      category = None if eqn_marks.kept else op_category(op, eqn_policy, eqn)
       if category is None:
         continue
       moves_on = at is None or position is None or at > position

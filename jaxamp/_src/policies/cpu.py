@@ -103,7 +103,10 @@ ROWS = (
     primitives=(prims.fft_p,),
   ),
   Row(
-    ("avg_pool3d", "adaptive_avg_pool3d"), F, primitives=(Variant(prims.reduce_window_sum_p, "3d"),)
+    ("avg_pool3d", "adaptive_avg_pool3d"),
+    F,
+    primitives=(Variant(prims.reduce_window_sum_p, "3d"),),
+    ops=("avg_pool[3d]",),
   ),
   Row(
     ("max_pool3d", "adaptive_max_pool3d"), F, primitives=(Variant(prims.reduce_window_max_p, "3d"),)
@@ -139,6 +142,8 @@ ROWS = (
   # --- unlisted single kernels in torch: they return their input's dtype -----------------
   # torch's CPU softmax and norm kernels accumulate in float32 and return the input dtype
   # (rms_norm too, checked on torch 2.13: bitwise the float32 result rounded).
+  Row(("avg_pool1d", "avg_pool2d"), F_IN, ops=("avg_pool",)),
+  Row(shared.UPSAMPLE_OPS, F_IN, ops=("upsample",)),
   Row(
     (
       "softmax",

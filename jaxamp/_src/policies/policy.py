@@ -108,13 +108,19 @@ class Policy:
       f"{rules}"
     )
 
-  def op_category(self, name: str, default: Category | None) -> Category | None:
-    """The category of a named op region; ``default`` for ops the table does not list.
+  def op_category(
+    self, name: str, default: Category | None, variant: str | None = None
+  ) -> Category | None:
+    """The category of a named op region (used as ``variant``, if a row lists ``name[variant]``);
+    ``default`` for ops the table does not list.
 
     None means the op is a plain composition here (torch decomposes it into listed ops, like
     ``tensordot`` into ``mm`` on CPU): its primitives follow their own rules.
     """
-    category = self.table.op_categories.get(name)
+    categories = self.table.op_categories
+    category = categories.get(f"{name}[{variant}]") if variant is not None else None
+    if category is None:
+      category = categories.get(name)
     return category if category is not None else default
 
 

@@ -31,4 +31,18 @@ COMPLEX_IN_FLOAT32 = (Row(("view_as_complex",), Category.FLOAT32, primitives=(pr
 ACCUMULATING_KERNELS = (
   Row(("mean",), Category.FLOAT32_INSIDE, ops=("mean",)),
   Row(("batch_norm",), Category.FLOAT32_INSIDE, ops=("batch_norm",)),
+  Row(("avg_pool1d", "avg_pool2d", "avg_pool3d"), Category.FLOAT32_INSIDE, ops=("avg_pool",)),
 )
+
+# torch's interpolate kernels (jax.image.resize). On torch 2.13's CUDA and XPU float32 source list
+# (AT_FORALL_FP32), not in the reference doc; unlisted on CPU.
+UPSAMPLE_OPS = (
+  "upsample_nearest1d",
+  "upsample_nearest2d",
+  "upsample_nearest3d",
+  "upsample_linear1d",
+  "upsample_bilinear2d",
+  "upsample_trilinear3d",
+  "upsample_bicubic2d",
+)
+UPSAMPLE_IN_FLOAT32 = (Row(UPSAMPLE_OPS, Category.FLOAT32, ops=("upsample",)),)

@@ -132,6 +132,9 @@ ROWS = (
     F_IN,
     ops=("mean", "sum", "layer_norm", "group_norm", "rms_norm"),
   ),
+  # Unlisted average pooling and interpolation kernels return their input's dtype too.
+  Row(("avg_pool1d", "avg_pool2d", "avg_pool3d"), F_IN, ops=("avg_pool",)),
+  Row(shared.UPSAMPLE_OPS, F_IN, ops=("upsample",)),
   # --- unlisted single kernels: they run in their inputs' dtype -------------------------------
   # (without these rows, gelu's x**3 or norm's x**2 would follow the float32 pow row)
   Row(
