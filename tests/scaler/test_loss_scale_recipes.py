@@ -386,3 +386,51 @@ def test_recipe_data_parallel_training_with_shard_map_and_axis_name():
     [1024.0, False, 1024.0],
   ]
   np.testing.assert_allclose(result["dp"], result["single"], rtol=1e-5)
+
+
+def _lbfgs_objective(p):
+  return jnp.sum((p["w"] - 1.0) ** 2) + 3.0 * jnp.sum(p["b"] ** 2)
+
+
+LBFGS_PARAMS = {"w": jnp.arange(8.0).reshape(2, 4), "b": jnp.ones(3)}
+
+
+def test_a_line_search_closure_through_the_scaler_is_a_value_error():
+  # optax's L-BFGS idiom on a scaled loss: the stored value and gradient of one scale would be
+  # compared with the next scale's; torch's GradScaler.step refuses a closure too.
+  tx = jaxamp.dynamic_loss_scale(optax.lbfgs(), init_scale=16.0)
+  state = tx.init(LBFGS_PARAMS)
+  fn = lambda q: jaxamp.scale_loss(_lbfgs_objective(q), state)
+  value, grad = optax.value_and_grad_from_state(fn)(LBFGS_PARAMS, state=state)
+  with pytest.raises(ValueError, match="line-search optimizer.*jaxamp.unscale"):
+    tx.update(grad, state, LBFGS_PARAMS, value=value, grad=grad, value_fn=fn)
+
+
+def test_recipe_line_search_on_unscaled_gradients_matches_plain_lbfgs_while_the_scale_grows():
+  def run(tx, scaled):
+    params, state = LBFGS_PARAMS, tx.init(LBFGS_PARAMS)
+
+    @jax.jit
+    def step(params, state):
+      value = _lbfgs_objective(params)
+      if scaled:
+        grads = jax.grad(lambda q: jaxamp.scale_loss(_lbfgs_objective(q), state))(params)
+        grads, found_inf = jaxamp.unscale(grads, state)
+        extra = {"found_inf": found_inf}
+      else:
+        grads, extra = jax.grad(_lbfgs_objective)(params), {}
+      updates, state = tx.update(
+        grads, state, params, value=value, grad=grads, value_fn=_lbfgs_objective, **extra
+      )
+      return optax.apply_updates(params, updates), state
+
+    for _ in range(5):
+      params, state = step(params, state)
+    return params, state
+
+  plain, _ = run(optax.lbfgs(), scaled=False)
+  scaled, state = run(
+    jaxamp.dynamic_loss_scale(optax.lbfgs(), init_scale=16.0, growth_interval=1), True
+  )
+  assert jaxamp.scaler.get_scale(state) == 16.0 * 2**5
+  jax.tree.map(np.testing.assert_array_equal, scaled, plain)

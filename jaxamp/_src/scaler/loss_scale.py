@@ -560,6 +560,8 @@ def dynamic_loss_scale(
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
 
+    if found_inf is None and "value_fn" in extra_args:
+      raise ValueError(_LINE_SEARCH_MESSAGE)
     updates = _row_major_on_cpu(updates)  # the check's and the cond's operands: one layout
     if found_inf is None:
       found_inf = _found_inf(updates, state.hyperparams.axis_name)
@@ -599,3 +601,13 @@ def dynamic_loss_scale(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+_LINE_SEARCH_MESSAGE = (
+  "dynamic_loss_scale cannot give `value_fn` to a line-search optimizer (optax.lbfgs, "
+  "optax.scale_by_zoom_linesearch): it stores the loss value and gradient of one step's loss "
+  "scale and compares them with the next step's, so each change of the scale misleads the "
+  "search. torch's GradScaler.step refuses a closure for the same reason. Run line searches "
+  "without dynamic_loss_scale (on a float32 or bfloat16 objective), or unscale first with "
+  "`jaxamp.unscale` and pass its `found_inf=` with an unscaled `value`, `grad` and `value_fn`."
+)
