@@ -233,3 +233,22 @@ def test_other_callables_become_functions_that_run_in_float16(fun):
   wrapped = jaxamp.autocast(fun, device_type="cuda")
   assert isinstance(wrapped, types.FunctionType) and wrapped.__wrapped__ is fun
   assert wrapped(X).dtype == F16
+
+
+class DropoutNet(eqx.Module):
+  linear: eqx.nn.Linear
+  dropout: eqx.nn.Dropout
+
+  def __call__(self, x, key=None):
+    return self.dropout(self.linear(x), key=key)
+
+
+def test_a_module_without_arrays_keeps_its_leaves_in_the_model():
+  # Dropout holds only its rate and inference flag: eqx.nn.inference_mode must still reach them.
+  net = DropoutNet(eqx.nn.Linear(8, 8, key=jax.random.key(0)), eqx.nn.Dropout(0.5))
+  amp = eqx.tree_at(lambda m: m.dropout, net, jaxamp.autocast(net.dropout, device_type="cuda"))
+  assert jax.tree.leaves(amp)[2:] == jax.tree.leaves(net)[2:] == [0.5, False]
+  evaluating = eqx.nn.inference_mode(amp)
+  assert evaluating.dropout.inference
+  x = jnp.ones(8)
+  np.testing.assert_array_equal(evaluating(x), evaluating.linear(x))  # no dropout: no key needed

@@ -180,7 +180,7 @@ class _AutocastDecorator:
 def _wrap(
   fun: Callable, amp_policy: policy_lib.Policy | None, amp_overrides: Overrides | None = None
 ) -> Callable:
-  if nnx_modules.is_module(fun) or _has_array_leaves(fun):
+  if nnx_modules.is_module(fun) or _is_pytree_node(fun):
     nnx_modules.register_data_type(AutocastModule)  # an nnx Module may hold it as an attribute
     return AutocastModule(fun, amp_policy, amp_overrides)
 
@@ -209,13 +209,15 @@ def _run(
     return call(fun, amp_policy, args, kwargs, amp_overrides)
 
 
-def _has_array_leaves(fun: Any) -> bool:
-  """Whether ``fun`` is a pytree holding arrays (an Equinox module, an Equinox bound method).
+def _is_pytree_node(fun: Any) -> bool:
+  """Whether ``fun`` is a pytree node (an Equinox module or bound method, a ``tree_util.Partial``),
+  arrays or not: its leaves (Dropout's ``inference`` flag) stay leaves where it stands.
 
   Functions, bound methods, ``functools.partial`` objects and jitted functions are pytree leaves
   themselves, so they are not.
   """
-  return any(is_array(leaf) for leaf in jax.tree.leaves(fun))
+  treedef = jax.tree.structure(fun)
+  return not (treedef.num_nodes == 1 and treedef.num_leaves == 1)
 
 
 @jax.tree_util.register_pytree_with_keys_class
