@@ -173,3 +173,28 @@ def test_module_read_inside_jax_jit_is_left_unchanged(spelling):
   before = nnx.to_pure_dict(nnx.state(model))
   jax.jit(lambda x: spelling(model, x))(X)
   jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)), before)
+
+
+class CountingLinear(nnx.Module):
+  """Holds a plain array attribute, as nnx.Conv(mask=...) does, and updates it."""
+
+  def __init__(self):
+    self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    self.calls = jnp.zeros(())
+
+  def __call__(self, x):
+    self.calls = self.calls + 1
+    return self.linear(x)
+
+
+def test_a_module_holding_a_plain_array_runs_and_its_array_updates():
+  mask = jnp.ones((3, 3, 3, 4)).at[1, 1].set(0.0)
+  conv = nnx.Conv(3, 4, (3, 3), mask=mask, rngs=nnx.Rngs(0))
+  x = jnp.ones((2, 8, 8, 3))
+  out = jaxamp.autocast(conv, device_type="cpu")(x)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), conv(x), rtol=2e-2, atol=2e-2)
+  counting = CountingLinear()
+  jaxamp.autocast(lambda m, x: m(x), device_type="cpu")(counting, jnp.ones((2, 4)))
+  jaxamp.autocast(counting, device_type="cpu")(jnp.ones((2, 4)))
+  assert counting.calls == 2

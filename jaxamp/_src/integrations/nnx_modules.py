@@ -179,5 +179,7 @@ def call_keeping_state(
 
 
 def _same(new: Any, old: Any) -> bool:
-  """Whether a Variable of the new state holds the very value (and type) it was passed in."""
-  return type(new) is type(old) and new.get_value() is old.get_value()
+  """Whether a leaf of the new state (a Variable, or an array a module holds as a plain attribute:
+  ``nnx.Conv(mask=...)``) holds the very value (and type) it was passed in."""
+  value = lambda leaf: leaf.get_value() if isinstance(leaf, _nnx().Variable) else leaf
+  return type(new) is type(old) and value(new) is value(old)
