@@ -433,4 +433,5 @@ def test_recipe_line_search_on_unscaled_gradients_matches_plain_lbfgs_while_the_
     jaxamp.dynamic_loss_scale(optax.lbfgs(), init_scale=16.0, growth_interval=1), True
   )
   assert jaxamp.scaler.get_scale(state) == 16.0 * 2**5
-  jax.tree.map(np.testing.assert_array_equal, scaled, plain)
+  # Not bit for bit under jit: XLA:CPU fuses the two programs differently (an FMA in one only).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), scaled, plain)
