@@ -1046,9 +1046,25 @@ def _unlisted_cases() -> list[dict[str, Any]]:
   ]
 
 
+def _sparse_cases() -> list[dict[str, Any]]:
+  # A sparse COO operand (a with the zeros of m): jax.experimental.sparse's BCOO.
+  return [
+    case(
+      "sparse_mm",
+      "torch.mm((a * m).to_sparse(), b)",
+      "lower",
+      "mm",
+      a=A,
+      m=inp("binary", 4, 8),
+      b=B,
+    ),
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
-  """Every case's definition (no input values), in the golden file's order."""
-  cases = _lower_cases() + _float32_cases() + _promote_cases() + _unlisted_cases()
+  """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
+  this order from one generator: new cases go last, so the recorded inputs of others stay."""
+  cases = _lower_cases() + _float32_cases() + _promote_cases() + _unlisted_cases() + _sparse_cases()
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}
   if duplicates:

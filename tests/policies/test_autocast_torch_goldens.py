@@ -27,6 +27,7 @@ import pytest
 import torch_goldens
 from fast_subset import first_of_each_family
 from jax import lax
+from jax.experimental import sparse
 
 import jaxamp
 from jaxamp import functional
@@ -229,6 +230,7 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   "linalg_vecdot": lambda a, b: jnp.linalg.vecdot(a, b),
   "einsum": lambda x, y: jnp.einsum("bij,bjk->bik", x, y),
   "tensordot": lambda a, b: jnp.tensordot(a, b, axes=1),
+  "sparse_mm": lambda a, m, b: sparse.BCOO.fromdense(a * m, nse=a.size) @ b,
   "conv1d": lambda x, k: _conv(x, k),
   "conv2d": lambda x, k: _conv(x, k),
   "conv2d_bias": lambda x, k, bias: _conv(x, k) + bias[:, None, None],

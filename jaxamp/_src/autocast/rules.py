@@ -567,9 +567,10 @@ def _fits(atom, value, env: Env, dtype: np.dtype) -> bool:
 
 
 def _result_type_params(eqn, invals) -> dict | None:
-  """dot/conv params whose result dtype follows the new inputs, unless the caller fixed it."""
+  """Matmul params (dense, conv, sparse) whose result dtype follows the new inputs, unless the
+  caller fixed it."""
   preferred = eqn.params.get("preferred_element_type")
-  if eqn.primitive not in MATMULS or preferred is None or explicit_result_type(eqn) is not None:
+  if preferred is None or explicit_result_type(eqn) is not None:
     return None
   new_inputs = casting.widest([compat.typeof(v).dtype for v in invals])
   if new_inputs == jnp.dtype(preferred):

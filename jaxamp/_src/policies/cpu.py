@@ -39,6 +39,7 @@ ROWS = (
     primitives=(prims.dot_general_p,),
   ),
   *shared.GROUPED_MATMUL,
+  *shared.SPARSE_MATMUL,
   Row(
     (
       "conv1d",

@@ -45,6 +45,7 @@ ROWS = (
     primitives=(prims.dot_general_p,),
   ),
   *shared.GROUPED_MATMUL,
+  *shared.SPARSE_MATMUL,
   Row(
     ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
     L,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import compat
-from jaxamp._src.policies.table import Category, Row, Table, Variant
+from jaxamp._src.policies.table import Category, LazyPrimitive, Row, Table, Variant
 
 # Categories only an op region can have: they describe what a composite returns (FLOAT32_INSIDE:
 # its input's dtype) or refuse the op on entering it (FORBIDDEN); a primitive's outputs are its own.
@@ -111,6 +111,7 @@ def resolve(key: Any, rows: list[Row], tables: Iterable[Table]) -> Target:
   """What ``key`` names: a torch op or op region (its row here, or in another device type's
   table, or a known op region), a primitive, or a library function's op regions."""
   if isinstance(key, compat.Primitive | Variant):
+    key = _row_key(key, rows)
     return Target(_torch_ops_of(key, rows), primitives=(key,))
   if isinstance(key, str):
     return _named(key, rows, tables)
@@ -156,6 +157,15 @@ def _named(name: str, rows: list[Row], tables: Iterable[Table]) -> Target:
   )
 
 
+def _row_key(primitive: Any, rows: list[Row]) -> Any:
+  """How the rows name ``primitive``: itself, or the ``LazyPrimitive`` that resolves to it."""
+  for row in rows:
+    for key in row.primitives:
+      if isinstance(key, LazyPrimitive) and key.resolve() is primitive:
+        return key
+  return primitive
+
+
 def _torch_ops_of(key: Any, rows: list[Row]) -> tuple[str, ...]:
   for row in rows:
     if key in row.primitives:
@@ -185,7 +195,7 @@ def _name(key: Any) -> str:
   """A primitive's, variant's or op region's name."""
   if isinstance(key, str):
     return key
-  return str(key) if isinstance(key, Variant) else key.name
+  return str(key) if isinstance(key, Variant | LazyPrimitive) else key.name
 
 
 def _key(key: Any) -> str:

@@ -1,13 +1,36 @@
 """Rows the device tables share, where JAX rather than torch decides."""
 
 from jaxamp._src import compat
-from jaxamp._src.policies.table import NO_16_BIT_KERNELS, Category, Row
+from jaxamp._src.policies.table import NO_16_BIT_KERNELS, Category, LazyPrimitive, Row
 
 prims = compat.primitives
 
 # lax.ragged_dot (mixture-of-experts grouped matmuls) is a matmul: the low dtype, like
 # dot_general. torch's counterpart, _grouped_mm, is on none of the reference lists.
 GROUPED_MATMUL = (Row(("_grouped_mm",), Category.LOWER, primitives=(prims.ragged_dot_general_p,)),)
+
+# jax.experimental.sparse's matmuls (BCOO/BCSR @ dense, sparse @ sparse, the sampled product a
+# sparse operand's gradient is, the COO/CSR matmat/matvec): torch's ``mm`` on a sparse tensor,
+# and torch.sparse's own, run in the autocast dtype as the dense ones do.
+SPARSE_MATMUL = (
+  Row(
+    ("sparse.mm", "sparse.sampled_addmm"),
+    Category.LOWER,
+    primitives=tuple(
+      LazyPrimitive("jax.experimental.sparse", f"{name}_p")
+      for name in (
+        "bcoo_dot_general",
+        "bcoo_dot_general_sampled",
+        "bcoo_spdot_general",
+        "bcsr_dot_general",
+        "coo_matmat",
+        "coo_matvec",
+        "csr_matmat",
+        "csr_matvec",
+      )
+    ),
+  ),
+)
 
 
 def linalg_in_float32(besides: tuple[Row, ...] = ()) -> tuple[Row, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -46,13 +47,31 @@ class Variant(NamedTuple):
     return f"{self.primitive.name}[{self.name}]"
 
 
+class LazyPrimitive(NamedTuple):
+  """A primitive of a module jaxamp does not import (``jax.experimental.sparse`` costs half a
+  second), named by module and attribute: its row applies once the module is imported, which
+  any jaxpr holding the primitive implies.
+  """
+
+  module: str
+  attribute: str
+
+  def resolve(self) -> Any:
+    """The primitive, or None while its module is not imported."""
+    module = sys.modules.get(self.module)
+    return None if module is None else getattr(module, self.attribute)
+
+  def __str__(self) -> str:
+    return self.attribute.removesuffix("_p")
+
+
 class Row(NamedTuple):
   """One row of a policy table.
 
   Attributes:
     torch_ops: the torch ops this row realises (names as in torch's autocast op reference).
     category: how the row's inputs are cast.
-    primitives: the JAX primitives (or ``Variant``s of one) the row covers.
+    primitives: the JAX primitives (or ``Variant``s of one, or ``LazyPrimitive``s) the row covers.
     ops: names of registered op regions (composites) the row covers.
   """
 
@@ -117,7 +136,7 @@ class Table:
     return (
       self.device_type,
       self.default_dtype,
-      frozenset(self.primitive_categories.items()),
+      frozenset(self.row_primitive_categories.items()),
       frozenset(self.op_categories.items()),
     )
 
@@ -128,18 +147,53 @@ class Table:
     return hash(self._content)
 
   @functools.cached_property
-  def primitive_categories(self) -> Mapping[Any, Category]:
-    """Primitive (or ``Variant``) -> its category."""
+  def row_primitive_categories(self) -> Mapping[Any, Category]:
+    """Primitive, ``Variant`` or ``LazyPrimitive``, as the rows name it -> its category."""
     return _index(self.rows, "primitives")
+
+  @property
+  def primitive_categories(self) -> Mapping[Any, Category]:
+    """Primitive (or ``Variant``) -> its category; a ``LazyPrimitive``'s once it is imported."""
+    return self._loaded("row_primitive_categories")
+
+  @functools.cached_property
+  def _lazy_keys(self) -> tuple[LazyPrimitive, ...]:
+    return tuple(k for row in self.rows for k in row.primitives if isinstance(k, LazyPrimitive))
+
+  @functools.cached_property
+  def _resolved(self) -> dict[tuple[str, frozenset], Mapping]:
+    return {}
+
+  def _loaded(self, attribute: str) -> Mapping[Any, Any]:
+    """The mapping ``attribute`` names with each ``LazyPrimitive`` key resolved, or left out
+    while its module is not imported."""
+    mapping = getattr(self, attribute)
+    if not self._lazy_keys:
+      return mapping
+    loaded = frozenset(k for k in self._lazy_keys if k.module in sys.modules)
+    cache_key = (attribute, loaded)
+    resolved = self._resolved.get(cache_key)
+    if resolved is None:
+      resolved = {
+        (key.resolve() if isinstance(key, LazyPrimitive) else key): value
+        for key, value in mapping.items()
+        if not isinstance(key, LazyPrimitive) or key in loaded
+      }
+      self._resolved[cache_key] = resolved
+    return resolved
 
   @functools.cached_property
   def op_categories(self) -> Mapping[str, Category]:
     return _index(self.rows, "ops")
 
   @functools.cached_property
+  def _primitive_rows(self) -> Mapping[Any, tuple[str, ...]]:
+    return {key: row.torch_ops for row in self.rows for key in row.primitives}
+
+  @property
   def primitive_rows(self) -> Mapping[Any, tuple[str, ...]]:
     """Primitive (or ``Variant``) -> the torch ops of its row."""
-    return {key: row.torch_ops for row in self.rows for key in row.primitives}
+    return self._loaded("_primitive_rows")
 
   @functools.cached_property
   def op_rows(self) -> Mapping[str, tuple[str, ...]]:
