@@ -157,29 +157,30 @@ class Table:
     return self._loaded("row_primitive_categories")
 
   @functools.cached_property
-  def _lazy_keys(self) -> tuple[LazyPrimitive, ...]:
-    return tuple(k for row in self.rows for k in row.primitives if isinstance(k, LazyPrimitive))
+  def _lazy_modules(self) -> tuple[str, ...]:
+    """The modules the rows' ``LazyPrimitive``s come from."""
+    keys = (k for row in self.rows for k in row.primitives if isinstance(k, LazyPrimitive))
+    return tuple(sorted({key.module for key in keys}))
 
   @functools.cached_property
-  def _resolved(self) -> dict[tuple[str, frozenset], Mapping]:
+  def _resolved(self) -> dict[tuple[str, frozenset[str]], Mapping]:
     return {}
 
   def _loaded(self, attribute: str) -> Mapping[Any, Any]:
     """The mapping ``attribute`` names with each ``LazyPrimitive`` key resolved, or left out
-    while its module is not imported."""
+    while its module is not imported (asked once per eqn: one lookup per lazy module)."""
     mapping = getattr(self, attribute)
-    if not self._lazy_keys:
+    if not self._lazy_modules:
       return mapping
-    loaded = frozenset(k for k in self._lazy_keys if k.module in sys.modules)
-    cache_key = (attribute, loaded)
-    resolved = self._resolved.get(cache_key)
+    loaded = frozenset(m for m in self._lazy_modules if m in sys.modules)
+    resolved = self._resolved.get((attribute, loaded))
     if resolved is None:
       resolved = {
         (key.resolve() if isinstance(key, LazyPrimitive) else key): value
         for key, value in mapping.items()
-        if not isinstance(key, LazyPrimitive) or key in loaded
+        if not isinstance(key, LazyPrimitive) or key.module in loaded
       }
-      self._resolved[cache_key] = resolved
+      self._resolved[attribute, loaded] = resolved
     return resolved
 
   @functools.cached_property
