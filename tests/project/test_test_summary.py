@@ -19,7 +19,7 @@ def pytest_in_a_subprocess(*args: str, without_torch: bool = False) -> str:
   if without_torch:
     env["JAXAMP_TESTS_WITHOUT_TORCH"] = "1"
   out = subprocess.run(
-    [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+    [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", *args],
     cwd=ROOT,
     env=env,
     capture_output=True,
