@@ -119,6 +119,40 @@ def test_loop_carries_keep_their_declared_dtypes():
   assert out.dtype == jnp.float32
 
 
+def _split_in_a_loop(loop):
+  """``x`` plus noise drawn from a typed PRNG key that ``loop`` carries and splits."""
+
+  def draw(x, key):
+    key, sub = jax.random.split(key)
+    return x + jax.random.normal(sub, x.shape), key
+
+  loops = {
+    "scan": lambda x, key: lax.scan(lambda c, _: (draw(*c), None), (x, key), None, length=3)[0],
+    "fori_loop": lambda x, key: lax.fori_loop(0, 3, lambda i, c: draw(*c), (x, key)),
+    "while_loop": lambda x, key: lax.while_loop(
+      lambda c: c[0] < 3, lambda c: (c[0] + 1, *draw(*c[1:])), (0, x, key)
+    )[1:],
+    "cond": lambda x, key: lax.cond(x[0, 0] > 0, draw, lambda x, key: (x, key), x, key),
+  }
+  return loops[loop]
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+@pytest.mark.slow_after_first
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop", "cond"])
+def test_a_typed_prng_key_carried_through_a_loop_or_cond_draws_what_plain_jax_draws(
+  loop, device_type
+):
+  fun = _split_in_a_loop(loop)
+  (x, key), (plain_x, plain_key) = (
+    jax.jit(jaxamp.autocast(fun, device_type=device_type))(X, jax.random.key(0)),
+    jax.jit(fun)(X, jax.random.key(0)),
+  )
+  assert key.dtype == plain_key.dtype and x.dtype == jnp.float32
+  assert (jax.random.key_data(key) == jax.random.key_data(plain_key)).all()
+  assert (x == plain_x).all()
+
+
 def test_cond_branch_outputs_keep_their_declared_dtypes():
   fun = lambda x, w: lax.cond(True, lambda a: a @ w, lambda a: a, x)
   assert jaxamp.autocast(fun, device_type="cuda")(X, W).dtype == jnp.float32

@@ -191,6 +191,36 @@ def test_skipped_step_keeps_large_inner_state_leaves_of_every_width_bit_identica
   assert tree_bitwise_equal(state.inner_state, old)
 
 
+PROMOTING_STATES = {  # optax's moments start in the params' dtype; the first update promotes them
+  "bfloat16 params, float32 gradients": (
+    {"w": jnp.full((64, 80), 0.5, jnp.bfloat16), "b": jnp.ones(3, jnp.bfloat16)},
+    {"w": jnp.ones((64, 80)), "b": jnp.ones(3)},
+  ),
+  "an integer leaf": (
+    {"w": jnp.ones(3), "step": jnp.arange(3)},
+    {"w": jnp.ones(3), "step": jnp.zeros(3, jnp.int32)},
+  ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inner", [optax.adam(1e-2), optax.sgd(0.1, momentum=0.9)])
+@pytest.mark.parametrize("case", list(PROMOTING_STATES), ids=str)
+def test_an_inner_update_that_promotes_its_state_takes_and_skips_steps_as_plain_optax(case, inner):
+  params, finite = PROMOTING_STATES[case]
+  tx = jaxamp.dynamic_loss_scale(inner, init_scale=1.0)
+  updates, state = jitted_update(tx)(finite, tx.init(params), params)
+  plain_updates, plain_state = jax.jit(inner.update)(finite, inner.init(params), params)
+  assert tree_bitwise_equal(updates, plain_updates)
+  assert tree_bitwise_equal(state.inner_state, plain_state)
+  overflow = dict(finite, w=finite["w"].at[0].set(np.inf))
+  updates, skipped = jitted_update(tx)(overflow, tx.init(params), params)
+  assert skipped.found_inf
+  assert tree_bitwise_equal(optax.apply_updates(params, updates), params)
+  promoted = jax.tree.map(lambda old, new: old.astype(new.dtype), inner.init(params), plain_state)
+  assert tree_bitwise_equal(skipped.inner_state, promoted)  # the old values, in the new dtypes
+
+
 @pytest.mark.slow
 def test_skipped_step_keeps_negative_zero_params_negative_zero():
   params = {"w": jnp.array([-0.0, 0.0, -1.5])}

@@ -191,7 +191,7 @@ def sub_path(path: str, eqn, part: str = "") -> str:
 
 
 def declared_dtypes(atoms) -> tuple:
-  return tuple(jnp.dtype(a.aval.dtype) for a in atoms)
+  return tuple(a.aval.dtype for a in atoms)
 
 
 def restore_carries(env: Env, atoms, values: list) -> list:

@@ -377,6 +377,19 @@ def _vary_like(x: Any, like: Any) -> Any:
   return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
 
 
+def _typed_like(old: Any, taken: Any) -> Any:
+  """A skipped step's ``old`` state leaf in the dtype and varying axes of the taken step's.
+
+  An inner update may promote its state on its first step (optax's adam keeps ``mu`` in the
+  parameters' dtype at ``init``; bfloat16 parameters given float32 gradients, or an integer leaf,
+  make it float32): the skipped branch keeps the old values in the promoted dtype, as plain optax
+  would hold them after that step.
+  """
+  if _aval(old).dtype != _aval(taken).dtype:
+    old = lax.convert_element_type(old, _aval(taken).dtype)
+  return _vary_like(old, taken)
+
+
 # Leaves smaller than this are left to XLA's copy before the cond: a kernel for each in the
 # skipped branch cost more compile time (a 50-leaf adam step: 1.26x of apply_if_finite's instead
 # of 1.19x) than their copies cost to run.
@@ -444,7 +457,7 @@ def _skip_if(
     no_op_update, keep = _shared_no_op_updates(), lax.ne(one, np.uint32(0))  # XLA: unknown
     inner_state = jax.tree.map(lambda x: _fresh(x, keep, no_op_update), old_state)
     if jax.tree.structure(out_state) == jax.tree.structure(old_state):
-      inner_state = jax.tree.map(_vary_like, inner_state, out_state)
+      inner_state = jax.tree.map(_typed_like, inner_state, out_state)
     return jax.tree.map(no_op_update, out_updates), inner_state
 
   return lax.cond(jnp.logical_not(found_inf), take_update, skip_update, None)
