@@ -22,6 +22,10 @@ import os
 
 import pytest
 
+# Keras 3 picks its backend when first imported (tests/integrations/test_keras.py), whoever
+# imports it first: JAX's, before any test module is.
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
 
 def _has_torch() -> bool:
   if os.environ.get("JAXAMP_TESTS_WITHOUT_TORCH") == "1":
@@ -39,6 +43,8 @@ SLOW_AFTER_FIRST_MARKER = (
 )
 INSTALL_TORCH = "pip install torch==2.13.0 (its CPU build is enough)"
 DESELECTED_FOR_TORCH = pytest.StashKey[list]()
+# The items the run collected, slow ones marked, before ``-m``/``-k`` deselect any.
+COLLECTED = pytest.StashKey[list]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -87,8 +93,13 @@ def pytest_collection_modifyitems(
   session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
   _mark_slow(items)
-  if HAS_TORCH:
-    return
+  if not HAS_TORCH:
+    _fold_live_torch_comparisons(config, items)
+  config.stash[COLLECTED] = list(items)
+
+
+def _fold_live_torch_comparisons(config: pytest.Config, items: list[pytest.Item]) -> None:
+  """Deselects the comparisons with live torch; one skipped test stands in for them."""
   live = [item for item in items if needs_torch(item)]
   config.stash[DESELECTED_FOR_TORCH] = live
   if not live:

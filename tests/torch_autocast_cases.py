@@ -1061,10 +1061,38 @@ def _sparse_cases() -> list[dict[str, Any]]:
   ]
 
 
+def _norm_cases() -> list[dict[str, Any]]:
+  # Norms of a 16-bit matmul's output: CPU autocast lists no norm, so they run in bfloat16.
+  # jnp's max-based norms add a float32 literal (``max(0.0, ...)``) that must not promote them.
+  return [
+    case(
+      f"norm_{label}_of_mm",
+      f"torch.linalg.norm(torch.mm(a, b){order})",
+      "unlisted",
+      op,
+      a=A,
+      b=B,
+    )
+    for label, order, op in (
+      ("fro", "", "linalg_vector_norm"),
+      ("inf", ', float("inf")', "linalg_matrix_norm"),
+      ("1", ", 1", "linalg_matrix_norm"),
+      ("vector_inf", '.reshape(-1), float("inf")', "linalg_vector_norm"),
+    )
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
-  cases = _lower_cases() + _float32_cases() + _promote_cases() + _unlisted_cases() + _sparse_cases()
+  cases = (
+    _lower_cases()
+    + _float32_cases()
+    + _promote_cases()
+    + _unlisted_cases()
+    + _sparse_cases()
+    + _norm_cases()
+  )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}
   if duplicates:

@@ -8,6 +8,7 @@ output in the low dtype.
 """
 
 import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -138,3 +139,81 @@ def test_a_conv_bias_along_the_output_channels_stays_low_but_a_spatial_one_promo
   fun = jaxamp.autocast(conv, device_type=device_type)
   assert fun(x, k, jnp.zeros((1, 4, 1, 1))).dtype == low
   assert fun(x, k, jnp.zeros((1, 1, 8, 8))).dtype == jnp.float32
+
+
+ENSEMBLE = 3
+STACKED_W = jnp.stack([W.T * (i + 1) for i in range(ENSEMBLE)])  # (3, 8, 6)
+STACKED_B = jnp.stack([B * (i + 1) for i in range(ENSEMBLE)])  # (3, 6)
+PER_MEMBER_X = jnp.stack([XS + i for i in range(ENSEMBLE)])  # (3, 5, 8)
+
+
+@policies
+def test_a_vmapped_ensemble_of_linear_layers_keeps_its_bias_add_low(device_type, low):
+  # torch.baddbmm(b, x, W) / vmap(F.linear): each member's own input, weight and bias.
+  ensemble = jax.vmap(lambda w, b, x: x @ w + b)
+  fun = jaxamp.autocast(ensemble, device_type=device_type)
+  out = fun(STACKED_W, STACKED_B, PER_MEMBER_X)
+  assert out.dtype == low
+  expected = ensemble(STACKED_W, STACKED_B, PER_MEMBER_X)
+  assert jnp.allclose(out.astype(jnp.float32), expected, rtol=2e-2, atol=5e-2)
+
+
+@policies
+@pytest.mark.slow_after_first
+def test_an_ensembles_bias_gradients_are_float32_per_member(device_type, low):
+  ensemble = jax.vmap(lambda w, b, x: x @ w + b)
+  loss = lambda b: (
+    jaxamp.autocast(ensemble, device_type=device_type)(STACKED_W, b, PER_MEMBER_X)
+    .astype(jnp.float32)
+    .sum()
+  )
+  grad = jax.jit(jax.grad(loss))(STACKED_B)
+  assert grad.dtype == jnp.float32
+  assert (grad == PER_MEMBER_X.shape[1]).all()  # each bias is added to each of 5 rows
+
+
+@policies
+@pytest.mark.slow
+def test_an_equinox_ensemble_keeps_its_bias_adds_low(device_type, low):
+  keys = jax.random.split(jax.random.key(7), ENSEMBLE)
+  mlps = eqx.filter_vmap(lambda k: eqx.nn.MLP(8, 4, width_size=16, depth=2, key=k))(keys)
+  forward = eqx.filter_vmap(lambda mlp, x: jax.vmap(mlp)(x))
+  amp = jaxamp.autocast(forward, device_type=device_type)
+  jaxpr = jax.make_jaxpr(lambda x: amp(mlps, x))(PER_MEMBER_X)
+  adds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "add"]
+  assert adds and all(e.outvars[0].aval.dtype == low for e in adds)
+
+
+@policies
+@pytest.mark.slow
+def test_a_linen_vmapped_dense_ensemble_output_is_low(device_type, low):
+  ensemble = nn.vmap(
+    nn.Dense,
+    variable_axes={"params": 0},
+    split_rngs={"params": True},
+    in_axes=0,
+    out_axes=0,
+  )(6)
+  variables = ensemble.init(jax.random.key(8), PER_MEMBER_X)
+  out = jaxamp.autocast(ensemble.apply, device_type=device_type)(variables, PER_MEMBER_X)
+  assert out.dtype == low
+
+
+@policies
+def test_a_per_example_addend_of_a_batched_product_promotes(device_type, low):
+  # torch.bmm(x, W) + s with s of shape (E, 1, 1): a scalar per member is no linear bias.
+  fun = jaxamp.autocast(
+    lambda w, x, s: jnp.einsum("eni,eio->eno", x, w) + s, device_type=device_type
+  )
+  assert fun(STACKED_W, PER_MEMBER_X, jnp.ones((ENSEMBLE, 1, 1))).dtype == jnp.float32
+
+
+@policies
+def test_a_padding_mask_over_computed_keys_of_batched_attention_promotes(device_type, low):
+  def scores(x, wq, wk, mask):  # keys are computed: the mask is no bias of a stacked weight
+    q, k = x @ wq, x @ wk
+    return jnp.einsum("bqd,bkd->bqk", q, k) + mask
+
+  x = jnp.stack([XS, XS])
+  fun = jaxamp.autocast(scores, device_type=device_type)
+  assert fun(x, jnp.eye(8), jnp.eye(8), jnp.zeros((2, 1, 5))).dtype == jnp.float32

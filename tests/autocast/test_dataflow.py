@@ -268,24 +268,47 @@ def test_a_cast_keeps_the_dims():
   assert dataflow.layout_dims(eqn, (LHS, RHS)) == (LHS, RHS)
 
 
+BATCH = frozenset({"batch"})
+STACKED_RHS = frozenset({"batch", "stacked rhs"})
+
+
 def test_a_dots_output_dims_are_batch_then_lhs_then_rhs_free_dims():
   eqn = only_eqn(
     lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k), jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4))
   )
-  assert dataflow.matmul_dims(eqn) == (OTHER, LHS, RHS)
+  assert dataflow.matmul_dims(eqn, [False, False]) == (BATCH, LHS, RHS)
+
+
+def test_a_dots_batch_dims_name_the_operands_passed_in():
+  eqn = only_eqn(
+    lambda x, w: jnp.einsum("eni,eio->eno", x, w), jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5))
+  )
+  assert dataflow.matmul_dims(eqn, [False, True]) == (STACKED_RHS, LHS, RHS)
+  both = frozenset({"batch", "stacked lhs", "stacked rhs"})
+  assert dataflow.matmul_dims(eqn, [True, True]) == (both, LHS, RHS)
 
 
 def test_a_convs_output_features_come_from_the_kernel():
   eqn = only_eqn(
     lambda x, k: lax.conv(x, k, (1, 1), "SAME"), jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3))
   )
-  assert dataflow.matmul_dims(eqn) == (OTHER, RHS, OTHER, OTHER)
+  assert dataflow.matmul_dims(eqn, [False, True]) == (OTHER, RHS, OTHER, OTHER)
 
 
 def test_a_bias_varies_along_one_operands_free_dims_only():
-  out = (OTHER, LHS, RHS)
+  out = (BATCH, LHS, RHS)
   assert dataflow.is_bias_of(out, (NOWHERE, NOWHERE, OWN))
   assert dataflow.is_bias_of(out, (NOWHERE, OWN, NOWHERE))
   assert dataflow.is_bias_of(out, (NOWHERE, NOWHERE, NOWHERE))  # a scalar
   assert not dataflow.is_bias_of(out, (NOWHERE, OWN, OWN))  # a mask over queries and keys
   assert not dataflow.is_bias_of(out, (OWN, NOWHERE, OWN))  # a mask over the batch
+  assert not dataflow.is_bias_of((OTHER, RHS), (OWN, OWN))  # a conv bias over the batch
+
+
+def test_an_ensembles_bias_varies_along_the_batch_dims_its_stacked_weight_brings():
+  out = (STACKED_RHS, LHS, RHS)  # vmap(lambda w, b, x: x @ w + b): w is passed in
+  assert dataflow.is_bias_of(out, (OWN, NOWHERE, OWN))
+  assert not dataflow.is_bias_of(out, (OWN, OWN, NOWHERE))  # along the inputs' rows
+  assert not dataflow.is_bias_of(out, (OWN, NOWHERE, NOWHERE))  # a scalar per member
+  # vmapped attention: a padding mask over the batch and the keys of computed k is no bias
+  assert not dataflow.is_bias_of((BATCH, LHS, RHS), (OWN, NOWHERE, OWN))

@@ -24,13 +24,16 @@ KEEPS_PROVENANCE = LAYOUT | {prims.convert_element_type_p}
 
 # What each dim of a value varies along: per dim, the origins of its extent. A value varies
 # along its own dims ({"own"}; size-1 dims along nothing); a low-precision matmul's output
-# along the free dims of one operand ({"lhs"} or {"rhs"}) or along both ({"other"}: batch dims,
-# a conv's spatial dims); layout changes move, merge and drop these, and a broadcast's new dims
-# vary along nothing.
+# along the free dims of one operand ({"lhs"} or {"rhs"}) or along both ({"other"}: a conv's
+# batch and spatial dims); a dot's batch dims along {"batch"}, with "stacked lhs" / "stacked
+# rhs" where that operand was passed in, not computed (a vmapped ensemble's stacked weights);
+# layout changes move, merge and drop these, and a broadcast's new dims vary along nothing.
 Dims = tuple[frozenset, ...]
 OWN, OTHER = frozenset({"own"}), frozenset({"other"})
 LHS, RHS = frozenset({"lhs"}), frozenset({"rhs"})
 NOWHERE = frozenset()
+BATCH = "batch"
+STACKED = {"lhs": "stacked lhs", "rhs": "stacked rhs"}
 
 
 class Provenance:
@@ -77,7 +80,8 @@ class Provenance:
     """A low-precision dot or conv: its output stays low under a bias add, and its dims vary
     along its operands' free dims (``matmul_dims``)."""
     self.lowered.update(eqn.outvars)
-    self.dims[eqn.outvars[0]] = matmul_dims(eqn)
+    passed_in = [not self.is_computed(atom) for atom in eqn.invars[:2]]
+    self.dims[eqn.outvars[0]] = matmul_dims(eqn, passed_in)
 
   def dims_of(self, atom) -> Dims:
     """What each dim of ``atom`` varies along (``Dims``)."""
@@ -159,21 +163,30 @@ class Provenance:
 def is_bias_of(out: Dims, bias: Dims) -> bool:
   """Whether an addend varying along ``bias``'s dims is the bias of the matmul output ``out``:
   it varies along the free dims of one operand at most, as a linear or conv bias varies along
-  the weight's output features only. An addend with batch or sequence extent (an attention
-  mask over queries and keys, a positional embedding) is not a bias."""
+  the weight's output features only, and along the dot's batch dims only where that operand is
+  a stack of weights passed in (a vmapped ensemble of linear layers, each with its bias). An
+  addend with batch or sequence extent (an attention mask over queries and keys, a padding mask
+  over the keys of computed ones, a positional embedding) is not a bias."""
   origins = frozenset().union(*(o for o, b in zip(out, bias, strict=True) if b))
-  return origins <= {"lhs"} or origins <= {"rhs"}
+  free = origins - {BATCH, *STACKED.values()}
+  if BATCH not in origins:
+    return free <= {"lhs"} or free <= {"rhs"}
+  # Each member's bias varies along its weight's output features (a per-example scalar does not).
+  return any(free == {side} and STACKED[side] in origins for side in STACKED)
 
 
-def matmul_dims(eqn) -> Dims:
+def matmul_dims(eqn, passed_in: list[bool]) -> Dims:
   """What each dim of a dot's or conv's output varies along: an operand's free dims along it
-  (a conv's output features along the kernel), batch and spatial dims along "other"."""
+  (a conv's output features along the kernel), a dot's batch dims along "batch" (and "stacked"
+  the operands ``passed_in``, not computed), a conv's batch and spatial dims along "other"."""
   ndim = eqn.outvars[0].aval.ndim
   if eqn.primitive is prims.dot_general_p:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
     lhs_free = eqn.invars[0].aval.ndim - len(lhs_contract) - len(lhs_batch)
     rhs_free = eqn.invars[1].aval.ndim - len(rhs_contract) - len(rhs_batch)
-    return (OTHER,) * len(lhs_batch) + (LHS,) * lhs_free + (RHS,) * rhs_free
+    stacked = {STACKED[side] for side, p in zip(STACKED, passed_in, strict=True) if p}
+    batch = frozenset({BATCH, *stacked})
+    return (batch,) * len(lhs_batch) + (LHS,) * lhs_free + (RHS,) * rhs_free
   if eqn.primitive is prims.conv_general_dilated_p:
     feature = eqn.params["dimension_numbers"].out_spec[1]
     return tuple(RHS if d == feature else OTHER for d in range(ndim))

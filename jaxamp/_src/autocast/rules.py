@@ -539,7 +539,13 @@ def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:
       continue
     weak = {i: env.facts.is_weak(eqn.invars[i]) for i in members}
     refs = [compat.typeof(invals[i]).dtype for i in members if compat.is_ref(invals[i])]
-    strong = [compat.typeof(invals[i]).dtype for i in members if not weak[i]]
+    strong = [compat.typeof(invals[i]).dtype for i in members if not weak[i]] or [
+      # All scalars: a rank-0 value outranks a literal, as torch's 0-dim tensors outrank its
+      # Python scalars (``jnp.max(..., initial=0)`` of a 16-bit value stays 16-bit).
+      compat.typeof(invals[i]).dtype
+      for i in members
+      if not compat.is_literal(eqn.invars[i])
+    ]
     # A Ref keeps its dtype: what is stored into it is cast instead.
     target = refs[0] if refs else casting.widest(strong or sorted(dtypes, key=str))
     if target in LOW_DTYPES and eqn.primitive in SCALAR_OPMATH:

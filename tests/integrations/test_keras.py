@@ -1,0 +1,182 @@
+"""Keras 3 on the JAX backend: a model run functionally (``stateless_call``) under autocast.
+
+A Keras user's train step (``KERAS_BACKEND=jax``) calls ``model.stateless_call(trainable,
+non_trainable, x, training=True)``, which returns the outputs and the new non-trainable variables
+(BatchNorm's moving statistics, a Dropout seed generator's state). Under ``jaxamp.autocast`` the
+layers' matmuls and convolutions run in the low dtype, the state comes back in its own dtypes,
+and a float16 step with the loss scaler follows the float32 one. No model code changes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jaxpr_utils
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+
+keras = pytest.importorskip("keras")  # on JAX: tests/conftest.py sets KERAS_BACKEND=jax
+
+layers = keras.layers
+POLICIES = [("cuda", jnp.float16), ("cpu", jnp.bfloat16)]
+policies = pytest.mark.parametrize("device_type,low", POLICIES, ids=[p for p, _ in POLICIES])
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((8, 6)).astype(np.float32)
+Y = np.arange(8) % 3
+
+
+def _classifier() -> keras.Model:
+  keras.utils.set_random_seed(0)
+  return keras.Sequential(
+    [
+      keras.Input((6,)),
+      layers.Dense(16, activation="relu"),
+      layers.BatchNormalization(),
+      layers.Dropout(0.25),
+      layers.Dense(3),
+    ]
+  )
+
+
+def _variables(model: keras.Layer) -> tuple[list, list]:
+  return [v.value for v in model.trainable_variables], [
+    v.value for v in model.non_trainable_variables
+  ]
+
+
+def _train_step(model: keras.Model, tx, device_type: str | None):
+  """A jitted step: the loss under autocast for ``device_type`` (None: float32), scaled when
+  ``tx`` is the loss scaler."""
+  cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def loss_fn(trainable, non_trainable, x, y):
+    logits, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+    return cross_entropy(y, logits), non_trainable
+
+  if device_type is not None:
+    loss_fn = jaxamp.autocast(loss_fn, device_type=device_type)
+
+  @jax.jit
+  def step(trainable, non_trainable, opt_state, x, y):
+    def scaled(trainable):
+      loss, new_state = loss_fn(trainable, non_trainable, x, y)
+      if isinstance(opt_state, jaxamp.DynamicLossScaleState):
+        return jaxamp.scale_loss(loss, opt_state), (loss, new_state)
+      return loss, (loss, new_state)
+
+    grads, (loss, new_state) = jax.grad(scaled, has_aux=True)(trainable)
+    updates, opt_state = tx.update(grads, opt_state, trainable)
+    return optax.apply_updates(trainable, updates), new_state, opt_state, loss
+
+  return step
+
+
+def _train(model, tx, device_type, steps=3):
+  trainable, non_trainable = _variables(model)
+  opt_state = tx.init(trainable)
+  step = _train_step(model, tx, device_type)
+  losses = []
+  for _ in range(steps):
+    trainable, non_trainable, opt_state, loss = step(trainable, non_trainable, opt_state, X, Y)
+    losses.append(float(loss))
+  return trainable, non_trainable, opt_state, losses
+
+
+@policies
+def test_keras_runs_on_jax_and_a_dense_layers_output_is_low(device_type, low):
+  assert keras.backend.backend() == "jax"
+  dense = layers.Dense(4)
+  dense.build((None, 6))
+  out, _ = jaxamp.autocast(dense.stateless_call, device_type=device_type)(
+    [v.value for v in dense.trainable_variables], [], X
+  )
+  assert out.dtype == low
+
+
+@pytest.mark.slow
+def test_a_float16_train_step_with_the_loss_scaler_follows_float32():
+  model = _classifier()
+  params, state, opt_state, losses = _train(
+    model, jaxamp.dynamic_loss_scale(optax.adam(1e-2)), "cuda"
+  )
+  ref_params, ref_state, _, ref_losses = _train(model, optax.adam(1e-2), None)
+  assert float(jaxamp.scaler.get_scale(opt_state)) == 2.0**16  # no step skipped
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+  for p, ref in zip(params, ref_params, strict=True):
+    assert p.dtype == ref.dtype == jnp.float32
+    np.testing.assert_allclose(p, ref, atol=2e-3)
+  for s, ref in zip(state, ref_state, strict=True):  # moving stats; the seed generator's state
+    assert s.dtype == ref.dtype
+    np.testing.assert_allclose(s, ref, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_every_weight_gets_a_finite_float32_gradient():
+  model = _classifier()
+  trainable, non_trainable = _variables(model)
+  cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def loss_fn(trainable):
+    logits, _ = model.stateless_call(trainable, non_trainable, X, training=True)
+    return cross_entropy(Y, logits)
+
+  grads = jax.jit(jax.grad(jaxamp.autocast(loss_fn, device_type="cuda")))(trainable)
+  ref = jax.jit(jax.grad(loss_fn))(trainable)
+  for g, r, v in zip(grads, ref, model.trainable_variables, strict=True):
+    assert g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))), v.path
+    np.testing.assert_allclose(g, r, rtol=5e-2, atol=2e-3, err_msg=v.path)
+
+
+CONV_AND_RECURRENT_LAYERS = {
+  "conv2d": (lambda: layers.Conv2D(4, 3, padding="same"), (2, 6, 6, 3)),
+  "depthwise_conv2d": (lambda: layers.DepthwiseConv2D(3, padding="same"), (2, 6, 6, 3)),
+  "conv2d_transpose": (lambda: layers.Conv2DTranspose(4, 3, strides=2), (2, 6, 6, 3)),
+  "conv1d": (lambda: layers.Conv1D(4, 3), (2, 8, 3)),
+  "einsum_dense": (lambda: layers.EinsumDense("abc,cd->abd", (8, 5), bias_axes="d"), (2, 8, 3)),
+  "lstm": (lambda: layers.LSTM(5, return_sequences=True), (2, 8, 3)),
+  "gru": (lambda: layers.GRU(5, return_sequences=True), (2, 8, 3)),
+}
+
+
+@policies
+@pytest.mark.parametrize("name", list(CONV_AND_RECURRENT_LAYERS))
+@pytest.mark.slow
+def test_every_matmul_and_conv_of_a_keras_layer_runs_in_the_low_dtype(name, device_type, low):
+  make, shape = CONV_AND_RECURRENT_LAYERS[name]
+  layer = make()
+  layer.build(shape)
+  weights, state = _variables(layer)  # a recurrent layer's state: its seed generator's
+  x = jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+  call = jaxamp.autocast(layer.stateless_call, device_type=device_type)
+  jaxpr = jaxpr_utils.traced(call, weights, state, x)
+  assert {"dot_general", "conv_general_dilated"} & jaxpr_utils.primitive_names(jaxpr)
+  assert not jaxpr_utils.matmuls_off_dtype(jaxpr, low)
+  out, _ = jax.jit(call)(weights, state, x)
+  ref, _ = jax.jit(layer.stateless_call)(weights, state, x)
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=5e-2, atol=5e-2)
+
+
+@policies
+@pytest.mark.slow
+def test_multi_head_attention_with_fully_masked_rows_is_finite_and_close_to_float32(
+  device_type, low
+):
+  keras.utils.set_random_seed(1)
+  attention = layers.MultiHeadAttention(num_heads=2, key_dim=4)
+  x = jnp.asarray(RNG.standard_normal((2, 5, 8)), jnp.float32)
+  mask = np.ones((2, 5, 5), bool)
+  mask[1, :, 3:] = False  # padding keys
+  mask[1, 4, :] = False  # a query that sees no key
+  attention(x, x, attention_mask=mask)  # builds the weights
+  weights = [v.value for v in attention.trainable_variables]
+
+  def run(weights, x):
+    return attention.stateless_call(weights, [], x, x, attention_mask=mask)[0]
+
+  out = jax.jit(jaxamp.autocast(run, device_type=device_type))(weights, x)
+  ref = jax.jit(run)(weights, x)
+  assert bool(jnp.all(jnp.isfinite(out)))
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=5e-2, atol=5e-2)
