@@ -103,10 +103,7 @@ def optimizer_steps(params: Any) -> dict[str, tuple]:
 def lm_layers_for(leaves: int, lm: dict) -> int:
   """The number of layers that gives ``models.lm_task`` with ``lm``'s other sizes the number of
   parameter leaves nearest to ``leaves`` (at least one layer)."""
-  tiny = dict(lm, d_model=8, heads=1, seq=2, batch=1, vocab=8)
-  count = [
-    len(jax.tree.leaves(models.lm_task(None, **dict(tiny, layers=n)).params)) for n in (1, 2)
-  ]
+  count = [len(jax.tree.leaves(models.lm_param_shapes(**dict(lm, layers=n)))) for n in (1, 2)]
   per_layer = count[1] - count[0]
   return max(1, round((leaves - (count[0] - per_layer)) / per_layer))
 
@@ -385,6 +382,32 @@ def report(res: dict, markdown: bool = False) -> str:
   )
 
 
+def summary_rows(res: dict) -> list[list[Any]]:
+  """Rows for ``run.py``'s targets table: jaxamp against apply_if_finite (compile), adam (step)."""
+  rows = []
+  for case, results in res["cases"].items():
+    ours, aif, adam = results["jaxamp"], results["optax.apply_if_finite"], results["optax.adam"]
+    for metric, base, target in (
+      ("compile ms (apply_if_finite vs scaler)", aif["compile"], 1.0),
+      ("step ms (adam vs scaler)", adam["step"], STEP_TARGET),
+    ):
+      key = "compile" if metric.startswith("compile") else "step"
+      r = ours[f"{key}_ratio"]
+      rows.append(
+        [
+          "optimizer",
+          "-",
+          f"{case}: {metric}",
+          f"{base * 1e3:.4g}",
+          f"{ours[key] * 1e3:.4g}",
+          f"{r:.2f}x",
+          f"<= {target:.2f}x",
+          common.target_mark(r, target),
+        ]
+      )
+  return rows
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--quick", action="store_true")
@@ -420,29 +443,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
   sys.exit(main())
-
-
-def summary_rows(res: dict) -> list[list[Any]]:
-  """Rows for ``run.py``'s targets table: jaxamp against apply_if_finite (compile), adam (step)."""
-  rows = []
-  for case, results in res["cases"].items():
-    ours, aif, adam = results["jaxamp"], results["optax.apply_if_finite"], results["optax.adam"]
-    for metric, base, target in (
-      ("compile ms (apply_if_finite vs scaler)", aif["compile"], 1.0),
-      ("step ms (adam vs scaler)", adam["step"], STEP_TARGET),
-    ):
-      key = "compile" if metric.startswith("compile") else "step"
-      r = ours[f"{key}_ratio"]
-      rows.append(
-        [
-          "optimizer",
-          "-",
-          f"{case}: {metric}",
-          f"{base * 1e3:.4g}",
-          f"{ours[key] * 1e3:.4g}",
-          f"{r:.2f}x",
-          f"<= {target:.2f}x",
-          common.target_mark(r, target),
-        ]
-      )
-  return rows

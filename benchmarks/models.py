@@ -109,6 +109,13 @@ def lm_sizes(quick: bool = False) -> dict:
   )
 
 
+def lm_param_shapes(*, layers=4, d_model=256, heads=4, seq=128, vocab=1024, **_) -> Any:
+  """The LM's parameters as ``jax.ShapeDtypeStruct``s, without initialising them."""
+  model = TransformerLM(vocab, d_model, heads, layers, seq)
+  tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+  return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+
+
 def lm_task(dtype, *, layers=4, d_model=256, heads=4, seq=128, batch=8, vocab=1024, seed=0) -> Task:
   model = TransformerLM(vocab, d_model, heads, layers, seq, dtype)
   rng = np.random.default_rng(seed)

@@ -17,6 +17,8 @@ from benchmarks import common, run
 TINY = [
   "--quick",
   "--markdown",
+  "--policies",  # one policy: float32, hand-written and autocast variants of each model
+  "cpu",
   "--layers",
   "1",
   "--d-model",
@@ -106,7 +108,7 @@ def test_quick_run_rates_every_target(quick_report):
 @pytest.mark.slow  # runs every benchmark script once (minutes)
 def test_haiku_section_compares_autocast_with_the_jmp_policies(quick_report):
   section = quick_report[quick_report.index("### Haiku ResNet") : quick_report.index("### loss")]
-  for variant in ("float32", "jmp bfloat16", "autocast cpu", "jmp float16", "autocast cuda"):
+  for variant in ("float32", "jmp bfloat16", "autocast cpu"):
     assert f"| {variant} |" in section
   targets = quick_report[quick_report.index("### targets") :]
   for metric in ("jaxpr converts", "StableHLO converts"):  # converts a Haiku model costs, counted
@@ -172,34 +174,41 @@ def test_stablehlo_converts_are_read_from_lowered_text():
   assert pairs == {"f32->bf16": 1, "bf16->f32": 1}
 
 
-def test_the_scaler_peers_lm_cases_are_as_deep_as_their_leaf_counts_ask():
+def _peers_cases_without_measuring(monkeypatch) -> dict:
+  """``bench_scaler_peers.run``'s cases with each program's measurement replaced by its name:
+  what is compared where, without compiling (the quick run measures the optimizer case)."""
   from benchmarks import bench_scaler_peers
 
-  lm = dict(layers=1, d_model=32, heads=2, seq=8, batch=2, vocab=32)
+  monkeypatch.setattr(
+    bench_scaler_peers, "measure", lambda steps, params, **_: dict.fromkeys(steps, None)
+  )
+  return bench_scaler_peers
+
+
+def test_the_scaler_peers_lm_cases_are_as_deep_as_their_leaf_counts_ask(monkeypatch):
+  bench_scaler_peers = _peers_cases_without_measuring(monkeypatch)
+  lm = dict(layers=1, d_model=8, heads=1, seq=2, batch=1, vocab=8)
   leaves = lambda layers: len(
     jax.tree.leaves(bench_scaler_peers.models.lm_task(None, **dict(lm, layers=layers)).params)
   )
+  assert leaves(2) == len(jax.tree.leaves(bench_scaler_peers.models.lm_param_shapes(layers=2)))
   assert bench_scaler_peers.lm_layers_for(50, lm) == 3 and leaves(3) == 54  # 6 + 16 a layer
-  assert leaves(bench_scaler_peers.lm_layers_for(500, lm)) == 502
+  deep = bench_scaler_peers.lm_layers_for(500, lm)
+  assert len(jax.tree.leaves(bench_scaler_peers.models.lm_param_shapes(layers=deep))) == 502
   assert bench_scaler_peers.lm_layers_for(1, lm) == 1
-  res = bench_scaler_peers.run(
-    lm=lm, lm_leaves=(20, 110), leaves=(), compile_reps=1, rounds=1, per_round=1, log=print
-  )
+  res = bench_scaler_peers.run(lm=lm, lm_leaves=(20, 110), leaves=(), log=print)
   assert list(res["cases"]) == ["LM train step (22 leaves)", "LM train step (102 leaves)"]
+  assert set(res["cases"]["LM train step (22 leaves)"]) == set(bench_scaler_peers.PEERS)
   assert "flax DynamicScale" not in res["cases"]["LM train step (102 leaves)"]  # > 100 leaves
 
 
-def test_the_scaler_peers_lm_step_runs_under_autocast_for_a_gpu_run():
-  from benchmarks import bench_scaler_peers
-
+def test_the_scaler_peers_lm_step_runs_under_autocast_for_a_gpu_run(monkeypatch):
+  bench_scaler_peers = _peers_cases_without_measuring(monkeypatch)
   lm = dict(layers=1, d_model=32, heads=2, seq=8, batch=2, vocab=32)
-  res = bench_scaler_peers.run(
-    lm=lm, lm_device_type="cuda", leaves=(), compile_reps=1, rounds=1, per_round=1, log=print
-  )
+  res = bench_scaler_peers.run(lm=lm, lm_device_type="cuda", leaves=(), log=print)
   (case,) = res["cases"]
   assert case.startswith("LM train step, autocast cuda")
-  steps, _ = bench_scaler_peers.lm_steps(lm, "cuda")
-  step, opt_state, batch = steps["jaxamp"]
-  params = bench_scaler_peers.models.lm_task(None, **lm).params
-  text = str(jax.make_jaxpr(step)(params, opt_state, batch))
-  assert "f16[" in text  # the forward and backward run in float16
+  steps, params = bench_scaler_peers.lm_steps(lm, "cuda")
+  for name, (step, opt_state, batch) in steps.items():
+    text = str(jax.make_jaxpr(step)(params, opt_state, batch))
+    assert "f16[" in text, name  # the forward and backward run in float16
