@@ -342,6 +342,22 @@ def test_jax_image_resize_is_torchs_interpolate(method, device_type, out_dtype):
   assert out.dtype == out_dtype
 
 
+@pytest.mark.parametrize("device_type", ["cuda", "xpu", "cpu", "tpu"])
+def test_optax_ctc_loss_runs_in_float32_and_stays_finite_where_float32_is(device_type):
+  # torch's CTC loss has no 16-bit kernel on CUDA and XPU and is on CPU's float32 list. In 16
+  # bits optax's one-hot products met log(0)'s -1e5 as -inf: a NaN for the padded label row.
+  logits = jax.random.normal(jax.random.key(0), (2, 6, 20))
+  labels = jnp.array([[3, 4, 5, 6, 7], [6, 7, 0, 0, 0]])
+  label_paddings = jnp.array([[0, 0, 0, 0, 0], [0, 0, 1, 1, 1]], jnp.float32)
+
+  def loss(logits):
+    return optax.ctc_loss(logits, jnp.zeros(logits.shape[:2]), labels, label_paddings)
+
+  out = jax.jit(jaxamp.autocast(loss, device_type=device_type))(logits)
+  assert out.dtype == jnp.float32
+  np.testing.assert_allclose(out, jax.jit(loss)(logits), rtol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------
 # jaxamp.register_op on a function object: recognised by identity, not wrapped.
 

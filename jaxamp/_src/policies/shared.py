@@ -69,3 +69,9 @@ UPSAMPLE_OPS = (
   "upsample_bicubic2d",
 )
 UPSAMPLE_IN_FLOAT32 = (Row(UPSAMPLE_OPS, Category.FLOAT32, ops=("upsample",)),)
+
+# torch's CTC loss is unlisted on CUDA and XPU and has no 16-bit kernel there (float and double
+# only): fed, as torch users feed it, by log_softmax's float32 output, it runs in float32.
+# optax's ctc_loss takes logits and computes that log_softmax inside; in 16 bits its one-hot
+# products would meet log(0)'s -1e5 as -inf and give NaN.
+CTC_IN_FLOAT32 = (Row(("ctc_loss",), Category.FLOAT32, ops=("ctc_loss",)),)

@@ -89,6 +89,7 @@ ROWS = (
   *shared.COMPLEX_IN_FLOAT32,
   *shared.ACCUMULATING_KERNELS,
   *shared.UPSAMPLE_IN_FLOAT32,
+  *shared.CTC_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
   # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
   Row(
