@@ -90,9 +90,7 @@ def test_keras_runs_on_jax_and_a_dense_layers_output_is_low(device_type, low):
   assert keras.backend.backend() == "jax"
   dense = layers.Dense(4)
   dense.build((None, 6))
-  out, _ = jaxamp.autocast(dense.stateless_call, device_type=device_type)(
-    [v.value for v in dense.trainable_variables], [], X
-  )
+  out, _ = jaxamp.autocast(dense.stateless_call, device_type=device_type)(*_variables(dense), X)
   assert out.dtype == low
 
 

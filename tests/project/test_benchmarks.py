@@ -7,6 +7,7 @@ derive from jaxprs and HLO text.
 
 import contextlib
 import io
+import types
 
 import jax
 import jax.numpy as jnp
@@ -174,9 +175,9 @@ def test_stablehlo_converts_are_read_from_lowered_text():
   assert pairs == {"f32->bf16": 1, "bf16->f32": 1}
 
 
-def _peers_cases_without_measuring(monkeypatch) -> dict:
-  """``bench_scaler_peers.run``'s cases with each program's measurement replaced by its name:
-  what is compared where, without compiling (the quick run measures the optimizer case)."""
+def _peers_cases_without_measuring(monkeypatch) -> types.ModuleType:
+  """``bench_scaler_peers`` with ``measure`` stubbed: ``run`` gives each case its programs' names
+  (what is compared where) without compiling them (the quick run measures the optimizer case)."""
   from benchmarks import bench_scaler_peers
 
   monkeypatch.setattr(

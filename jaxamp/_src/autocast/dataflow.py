@@ -170,7 +170,7 @@ def is_bias_of(out: Dims, bias: Dims) -> bool:
   origins = frozenset().union(*(o for o, b in zip(out, bias, strict=True) if b))
   free = origins - {BATCH, *STACKED.values()}
   if BATCH not in origins:
-    return free <= {"lhs"} or free <= {"rhs"}
+    return any(free <= {side} for side in STACKED)
   # Each member's bias varies along its weight's output features (a per-example scalar does not).
   return any(free == {side} and STACKED[side] in origins for side in STACKED)
 
