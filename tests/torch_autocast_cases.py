@@ -1082,6 +1082,39 @@ def _norm_cases() -> list[dict[str, Any]]:
   ]
 
 
+def _fill_cases() -> list[dict[str, Any]]:
+  # Arrays made inside (torch.zeros: float32) meeting a 16-bit matmul's output: an accumulator,
+  # a concatenated block and a buffer written into promote; zeros_like of it is 16-bit.
+  return [
+    case("zeros_plus_mm", "torch.zeros(4, 5) + torch.mm(a, b)", "unlisted", "add", a=A, b=B),
+    case(
+      "cat_zeros_and_mm",
+      "torch.cat([torch.zeros(2, 5), torch.mm(a, b)])",
+      "promote",
+      "cat",
+      a=A,
+      b=B,
+    ),
+    case(
+      "index_copy_mm_into_zeros",
+      "torch.zeros(6, 5).index_copy(0, i, torch.mm(a, b))",
+      "promote",
+      "index_copy",
+      a=A,
+      b=B,
+      i=inp("index:6", 4, dtype="int64"),
+    ),
+    case(
+      "where_mm_or_zeros_like",
+      "torch.where(torch.mm(a, b) > 0, torch.mm(a, b), torch.zeros_like(torch.mm(a, b)))",
+      "unlisted",
+      "where",
+      a=A,
+      b=B,
+    ),
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
@@ -1092,6 +1125,7 @@ def all_cases() -> list[dict[str, Any]]:
     + _unlisted_cases()
     + _sparse_cases()
     + _norm_cases()
+    + _fill_cases()
   )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}

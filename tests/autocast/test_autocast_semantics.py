@@ -462,6 +462,51 @@ def test_fills_like_zeros_like_follow_the_other_operand():
   assert jaxamp.autocast(fun, device_type="cuda")(X, W).dtype == jnp.float16
 
 
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_an_accumulator_made_with_zeros_sums_in_float32_as_a_loop_carry_does(device_type):
+  # torch.zeros(shape) + a 16-bit product is float32; a fori_loop's carry keeps its dtype too.
+  ws = jnp.full((30, 8, 8), 0.12625)
+
+  def unrolled(x, ws):
+    total = jnp.zeros((4, 8))
+    for i in range(30):
+      total = total + x @ ws[i]
+    return total
+
+  def looped(x, ws):
+    return lax.fori_loop(0, 30, lambda i, total: total + x @ ws[i], jnp.zeros((4, 8)))
+
+  got = jaxamp.autocast(unrolled, device_type=device_type)(X, ws)
+  assert got.dtype == jnp.float32
+  # XLA may round the 16-bit products differently inside a loop: equal up to those roundings.
+  looped = jaxamp.autocast(looped, device_type=device_type)(X, ws)
+  np.testing.assert_allclose(got, looped, rtol=2**-7)
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_a_segment_sum_of_16_bit_messages_accumulates_in_float32(device_type):
+  # jax.ops.segment_sum scatter-adds into zeros of the traced dtype (torch's scatter_add into
+  # a float32 tensor promotes): bfloat16 accumulation stalled at 8192.
+  ids = jnp.arange(2400) % 3
+  x, w = jnp.ones((2400, 8)), jnp.eye(8) * 30.0
+  agg = lambda x, w: jax.ops.segment_sum(x @ w, ids, num_segments=3)
+  got = jaxamp.autocast(agg, device_type=device_type)(x, w)
+  assert got.dtype == jnp.float32
+  np.testing.assert_array_equal(got, agg(x, w))
+
+
+def test_a_buffer_made_inside_keeps_its_dtype_when_a_16_bit_value_is_written_into_it():
+  cache = lambda x, w: lax.dynamic_update_slice(jnp.zeros((6, 8)), x @ w, (1, 0))
+  assert jaxamp.autocast(cache, device_type="cpu")(X, W).dtype == jnp.float32
+
+
+def test_a_constant_written_into_a_16_bit_value_keeps_it_16_bit():
+  cleared = lambda x, w: lax.dynamic_update_slice(x @ w, jnp.zeros((1, 8)), (0, 0))
+  assert jaxamp.autocast(cleared, device_type="cuda")(X, W).dtype == jnp.float16
+  zeroed = lambda x, w: (x @ w).at[0].set(jnp.zeros(8))
+  assert jaxamp.autocast(zeroed, device_type="cuda")(X, W).dtype == jnp.float16
+
+
 def test_rank_zero_values_do_not_promote_tensors_like_torchs_zero_dim_tensors():
   fun = lambda x, w: jnp.where(x @ w > 0, x @ w, jnp.finfo(jnp.float32).min)
   assert jaxamp.autocast(fun, device_type="cpu")(X, W).dtype == jnp.bfloat16

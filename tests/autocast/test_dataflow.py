@@ -138,6 +138,60 @@ def test_a_layout_change_of_a_fill_is_weak():
   assert facts.is_weak(eqn_named(jaxpr, "transpose").outvars[0])
 
 
+def test_a_fill_stands_for_a_scalar_where_torch_takes_one():
+  def fun(x):
+    fill = jnp.zeros((4, 8))
+    return (
+      lax.select(x > 0, x, fill),
+      jnp.maximum(x, fill),
+      lax.clamp(fill, x, fill + 1),
+      lax.dynamic_update_slice(x, jnp.zeros((1, 8)), (0, 0)),
+      x.at[0].add(jnp.zeros(8)),
+    )
+
+  jaxpr, facts = facts_of(fun, X)
+  for name, position in [
+    ("select_n", 1),
+    ("max", 1),
+    ("clamp", 0),
+    ("dynamic_update_slice", 1),
+    ("scatter-add", 2),
+  ]:
+    eqn = eqn_named(jaxpr, name)
+    assert facts.is_fill(eqn.invars[position]), name
+    assert facts.follows_partner(eqn, position), name
+
+
+def test_a_fill_is_an_array_of_its_dtype_as_an_accumulator_buffer_or_block():
+  # torch.zeros(shape) is float32: added to, scattered or written into, or concatenated, it
+  # promotes a 16-bit partner.
+  def fun(x):
+    fill = jnp.zeros((4, 8))
+    return (
+      fill + x,
+      jax.ops.segment_sum(x, jnp.array([0, 0, 1, 1]), num_segments=4),
+      lax.dynamic_update_slice(fill, x[:1], (0, 0)),
+      jnp.concatenate([fill, x]),
+    )
+
+  jaxpr, facts = facts_of(fun, X)
+  for name, position in [
+    ("add", 0),
+    ("scatter-add", 0),
+    ("dynamic_update_slice", 0),
+    ("concatenate", 0),
+  ]:
+    eqn = eqn_named(jaxpr, name)
+    assert facts.is_fill(eqn.invars[position]), name
+    assert not facts.follows_partner(eqn, position), name
+
+
+def test_a_broadcast_rank_0_value_follows_its_partner_everywhere():
+  jaxpr, facts = facts_of(lambda x, s: x + jnp.broadcast_to(s, (4, 8)), X, jnp.float32(2.0))
+  add = eqn_named(jaxpr, "add")
+  assert not facts.is_fill(add.invars[1]) and facts.follows_partner(add, 1)
+
+
 def test_a_rank_0_array_is_weak_as_torchs_0_dim_tensors():
   jaxpr, facts = facts_of(lambda x, s: x * s, X, jnp.float32(2.0))
   assert facts.is_weak(jaxpr.invars[1])

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax import lax
 from jaxpr_utils import (
   dtypes_of,
   float_dtypes_of,
@@ -31,7 +32,7 @@ import jaxamp
 from jaxamp._src.autocast import fp8
 from jaxamp._src.policies import policy
 
-F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 FP8 = dict(device_type="cuda", dtype=jnp.float8_e4m3fn)
 # e4m3 keeps 3 mantissa bits: a product of two quantized operands is within a few 2**-4 of
@@ -234,6 +235,60 @@ def test_the_loss_scaler_skips_a_step_whose_fp8_gradients_overflow():
   assert all(np.array_equal(params[k], PARAMS[k]) for k in PARAMS)
 
 
+def test_an_empty_operand_gives_an_empty_product_and_gradient():
+  f = fp8_autocast(lambda x, w: x @ w)
+  x, w = jnp.zeros((0, 32)), PARAMS["w1"]
+  assert f(x, w).shape == (0, 64)
+  gw = jax.grad(lambda w: f(x, w).astype(F32).sum())(w)
+  assert gw.shape == w.shape and not np.asarray(gw).any()
+
+
+@pytest.mark.parametrize("tiny", [1e-35, 1e-36])
+@pytest.mark.slow
+def test_a_tiny_gradient_keeps_its_values(tiny):
+  # amax / 57344 below float32's smallest normal: the scale stops there instead of becoming 1.
+  f = lambda w, x: x @ w
+  w = jnp.ones((32, 4)) / 32
+  got = jax.grad(lambda w: tiny * fp8_autocast(f)(w, X).astype(F32).sum())(w)
+  want = jax.grad(lambda w: tiny * f(w, X).sum())(w)
+  assert relative_error(got, want) < FORWARD_RTOL
+
+
+# --- float16 operands -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_float16_layer_gets_the_gradients_of_a_small_loss():
+  # float16 cannot hold the scale of a small gradient (amax / 57344 below 6e-5): dequantizing
+  # in float16 flushed them to zero.
+  layer = nn.Dense(4, dtype=jnp.float16)
+  variables = layer.init(jax.random.key(1), X)
+
+  def kernel_grad(apply):
+    loss = lambda p: 1e-3 * apply({"params": p}, X).astype(F32).sum()
+    return jax.grad(loss)(variables["params"])["kernel"]
+
+  want = kernel_grad(layer.apply)
+  assert relative_error(kernel_grad(fp8_autocast(layer.apply)), want) < FORWARD_RTOL
+
+
+@pytest.mark.slow
+def test_a_float16_activation_gets_its_small_gradient():
+  w = normal(4, (32, 4), 0.1)
+  x16 = X.astype(jnp.float16)
+  got = jax.grad(lambda x: 1e-4 * fp8_autocast(lambda x: x @ w)(x).astype(F32).sum())(x16)
+  want = jax.grad(lambda x: 1e-4 * (x.astype(F32) @ w).sum())(x16)
+  assert got.dtype == jnp.float16 and relative_error(got, want) < FORWARD_RTOL
+
+
+def test_a_float16_product_of_small_values_is_not_flushed():
+  w = normal(4, (32, 4), 0.1)
+  dot = lambda w, x: lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=F16)
+  got = fp8_autocast(dot)(w, X * 1e-6)
+  assert got.dtype == F16
+  assert relative_error(got, dot(w, X * 1e-6)) < FORWARD_RTOL
+
+
 # --- transformations --------------------------------------------------------------------------
 
 
@@ -308,6 +363,68 @@ def test_forward_mode_differentiation_raises():
   """The float8 backward is a custom VJP (reverse mode, as torchao's float8 training)."""
   with pytest.raises(TypeError, match="forward-mode"):
     jax.jvp(fp8_autocast(mlp_loss), (PARAMS, X), (PARAMS, X))
+
+
+def test_a_second_derivative_raises_naming_the_fix():
+  grad = jax.grad(fp8_autocast(mlp_loss))
+  penalty = lambda p: sum(jnp.sum(g**2) for g in jax.tree.leaves(grad(p, X)))
+  with pytest.raises(TypeError, match="differentiable once.*bfloat16"):
+    jax.grad(penalty)(PARAMS)
+  with pytest.raises(TypeError, match="differentiable once"):
+    jax.hessian(lambda w: jnp.sum(fp8_autocast(lambda w: X @ w)(w).astype(F32) ** 2))(
+      PARAMS["w1"][:, :2]
+    )
+
+
+@pytest.mark.parametrize(
+  "policy",
+  [
+    None,
+    jax.checkpoint_policies.everything_saveable,
+    jax.checkpoint_policies.save_anything_except_these_names("none"),
+    jax.checkpoint_policies.dots_saveable,
+  ],
+  ids=["default", "everything_saveable", "save_anything_except", "dots_saveable"],
+)
+def test_remat_saving_the_float8_residuals_gives_the_same_gradients(policy):
+  # jax.checkpoint rounds the residuals it saves with reduce_precision, which overflows
+  # float8_e4m3fn's amax element to NaN: the residuals are saved as bytes.
+  loss = fp8_autocast(mlp_loss)
+  plain = jax.grad(loss)(PARAMS, X)
+  rematted = jax.grad(jax.checkpoint(loss, policy=policy))(PARAMS, X)
+  for name in PARAMS:
+    np.testing.assert_allclose(rematted[name], plain[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_linen_remat_saving_everything_trains():
+  block = nn.remat(nn.Dense, policy=jax.checkpoint_policies.everything_saveable)(16)
+  variables = block.init(jax.random.key(0), X)
+  loss = lambda v: jnp.sum(fp8_autocast(block.apply)(v, X).astype(F32) ** 2)
+  grads = jax.grad(loss)(variables)
+  want = jax.grad(lambda v: jnp.sum(block.apply(v, X) ** 2))(variables)
+  for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+    assert np.isfinite(got).all() and relative_error(got, expected) < 0.2
+
+
+def test_a_custom_jvp_whose_rule_has_matmuls_differentiates():
+  # JAX transposes the rule's tangent matmuls, which a float8 matmul (a custom_vjp) cannot be:
+  # the rule's matmuls run in bfloat16.
+  @jax.custom_jvp
+  def layer(w, x):
+    return jnp.tanh(x @ w)
+
+  @layer.defjvp
+  def layer_jvp(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    y = jnp.tanh(x @ w)
+    return y, (1 - y**2) * (dx @ w + x @ dw)
+
+  w = PARAMS["w1"]
+  got = jax.grad(lambda w: fp8_autocast(layer)(w, X).astype(F32).sum())(w)
+  want = jax.grad(lambda w: layer(w, X).sum())(w)
+  assert got.dtype == F32 and relative_error(got, want) < FORWARD_RTOL
+  assert dtypes_of(traced(fp8_autocast(layer), w, X), "dot_general")
 
 
 # --- libraries --------------------------------------------------------------------------------

@@ -235,6 +235,11 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   "norm_inf_of_mm": lambda a, b: jnp.linalg.norm(a @ b, ord=jnp.inf),
   "norm_1_of_mm": lambda a, b: jnp.linalg.norm(a @ b, ord=1),
   "norm_vector_inf_of_mm": lambda a, b: jnp.linalg.norm((a @ b).reshape(-1), ord=jnp.inf),
+  # fills: jnp.zeros(shape) is float32 as torch.zeros is; zeros_like follows its argument
+  "zeros_plus_mm": lambda a, b: jnp.zeros((4, 5)) + a @ b,
+  "cat_zeros_and_mm": lambda a, b: jnp.concatenate([jnp.zeros((2, 5)), a @ b]),
+  "index_copy_mm_into_zeros": lambda a, b, i: jnp.zeros((6, 5)).at[i].set(a @ b),
+  "where_mm_or_zeros_like": lambda a, b: jnp.where(a @ b > 0, a @ b, jnp.zeros_like(a @ b)),
   "conv1d": lambda x, k: _conv(x, k),
   "conv2d": lambda x, k: _conv(x, k),
   "conv2d_bias": lambda x, k, bias: _conv(x, k) + bias[:, None, None],

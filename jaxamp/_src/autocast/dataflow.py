@@ -8,6 +8,7 @@ its body does with them (``activation_reads``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jaxamp._src import caches, compat
@@ -35,6 +36,27 @@ NOWHERE = frozenset()
 BATCH = "batch"
 STACKED = {"lhs": "stacked lhs", "rhs": "stacked rhs"}
 
+# Where a fill (``jnp.zeros(shape)``, ``full``, ``ones``, ``zeros_like``: a literal broadcast to
+# dims) stands for a scalar, as torch takes one: the values of a ``where`` / ``masked_fill``, the
+# bounds of a ``clamp`` / ``relu``, a constant written into a slice (``cache[i] = 0``) or a pad.
+# Elsewhere a fill is an array of the dtype it was traced in, as ``torch.zeros(shape)`` is
+# float32: an accumulator, a buffer scattered or written into, a concatenated block; it promotes.
+# Keyed by primitive: whether the operand at a position takes a fill as a scalar.
+_UPDATES = lambda position: position == 2  # noqa: E731 (a scatter's updates)
+FILL_AS_SCALAR: dict[Any, Callable[[int], bool]] = {
+  prims.select_n_p: lambda position: position > 0,  # the cases, not the predicate
+  prims.max_p: lambda position: True,
+  prims.min_p: lambda position: True,
+  prims.clamp_p: lambda position: position != 1,  # the bounds
+  prims.pad_p: lambda position: position == 1,  # the padding value
+  prims.dynamic_update_slice_p: lambda position: position == 1,  # the update
+  prims.scatter_p: _UPDATES,
+  prims.scatter_add_p: _UPDATES,
+  prims.scatter_mul_p: _UPDATES,
+  prims.scatter_min_p: _UPDATES,
+  prims.scatter_max_p: _UPDATES,
+}
+
 
 class Provenance:
   """The facts about one jaxpr's values that the cast rules read.
@@ -44,7 +66,7 @@ class Provenance:
     computed: vars computed from others (not parameters or constants).
     activations: uncomputed vars read by computations other than adds.
     lowered: outputs of low-precision dots and convs, and their layout changes.
-    weak: vars holding a converted Python scalar or a fill: they follow the other operand.
+    weak: vars holding a converted Python scalar or a fill (``is_weak``).
     fills: var -> the ``broadcast_in_dim`` of a literal that made it (remade in any dtype).
     dims: var -> what each of its dims varies along (``Dims``), for layout changes and
       matmul outputs; any other value varies along its own dims.
@@ -118,18 +140,35 @@ class Provenance:
     return not compat.is_literal(atom) and self.root(atom) in self.computed
 
   def is_weak(self, atom) -> bool:
-    """A scalar that follows the other operand's dtype instead of promoting it.
+    """A scalar or a fill: it may follow the other operand's dtype (``follows_partner``).
 
-    As torch's Python scalars and 0-dim tensors: literals (also once passed into a jit or
-    converted there, as in ``jnp.clip(x, 0)``), rank-0 values, and broadcasts of them
-    (``jnp.where(m, x, jnp.finfo(jnp.float32).min)``, relu's zeros). An array with dims is a
-    tensor in torch, of the default dtype where JAX calls it weakly typed (``1e9 * mask``,
-    ``jnp.where(m, 0.0, -1e4)``, ``jnp.arange(n) * 0.5``): it promotes like any other.
+    Scalars, as torch's Python scalars and 0-dim tensors: literals (also once passed into a jit
+    or converted there, as in ``jnp.clip(x, 0)``), rank-0 values, and broadcasts of them
+    (``jnp.where(m, x, jnp.finfo(jnp.float32).min)``, relu's zeros). Fills (``is_fill``). An
+    array with dims is a tensor in torch, of the default dtype where JAX calls it weakly typed
+    (``1e9 * mask``, ``jnp.where(m, 0.0, -1e4)``, ``jnp.arange(n) * 0.5``): it promotes like any
+    other.
     """
     if compat.is_literal(atom) or not atom.aval.shape:
       return True
     source = self.source.get(atom)
     return atom in self.weak or source is not None and not source.aval.shape
+
+  def is_fill(self, atom) -> bool:
+    """A weak value with dims made from a literal, not from a traced scalar: ``jnp.zeros``,
+    ``full``, ``ones_like`` and their layout changes, or one passed into a body."""
+    if compat.is_literal(atom) or not atom.aval.shape:
+      return False
+    return bool(self.root(atom).aval.shape) and self.is_weak(atom)
+
+  def follows_partner(self, eqn, position: int) -> bool:
+    """Whether operand ``position`` of ``eqn`` takes its partner's dtype instead of promoting
+    it: a scalar always; a fill only where torch takes a scalar (``FILL_AS_SCALAR``)."""
+    atom = eqn.invars[position]
+    if not self.is_weak(atom):
+      return False
+    as_scalar = FILL_AS_SCALAR.get(eqn.primitive)
+    return not self.is_fill(atom) or (as_scalar is not None and as_scalar(position))
 
   def saturates(self, atom) -> bool:
     """Whether a cast of ``atom`` into a 16-bit dtype keeps finite values finite: a Python

@@ -456,7 +456,9 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
 
   A ``symbolic_zeros`` rule sees the inputs whose tangent is a symbolic zero as JAX shows
   them; any other rule gets zeros for them, as JAX gives it. Values the primal closes over
-  (consts) get no tangent, as in JAX.
+  (consts) get no tangent, as in JAX. Under a float8 policy the rule's matmuls run in
+  bfloat16: JAX transposes the rule's tangent matmuls, and a float8 matmul (a custom_vjp)
+  cannot be transposed.
   """
   num_consts = eqn.params["num_consts"]
   sees_zeros = eqn.params["symbolic_zeros"]
@@ -464,6 +466,7 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
   rule = compat.custom_jvp_rule(eqn)
   path = sub_path(env.path, eqn, "jvp")
   primals_weak = weak_inputs(eqn.invars[num_consts:], env)
+  rule_ctx = ctx._replace(policy=ctx.policy.without_float8())
 
   @jax.custom_jvp
   def autocast_fun(*xs):
@@ -483,7 +486,7 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
     # Tangents are computed values: cast as such (never clipped), the rule stays linear in them.
     computed = (False,) * len(primals) + (True,) * len(nonzero)
     outs = evaluate(
-      jaxpr, consts, [*primals, *nonzero], ctx, path=path, computed=computed, weak=primals_weak
+      jaxpr, consts, [*primals, *nonzero], rule_ctx, path=path, computed=computed, weak=primals_weak
     )
     outs, nonzero_out = outs[:n], outs[n:]
     outs = _match(outs, out_dtypes)

@@ -165,30 +165,32 @@ def keeps_dtypes(eqn) -> bool:
 
 # A category's cast target: (the eqn's atoms, which of them to cast, env, policy) -> the dtype
 # the selected eligible floats are cast to, or None to run on the incoming dtypes.
-CastTarget = Callable[[Sequence[Any], Sequence[bool], "Env", Policy], np.dtype | None]
+CastTarget = Callable[[Any, Sequence[bool], "Env", Policy], np.dtype | None]
 
 
-def _lower_target(atoms, floats, env, policy) -> np.dtype | None:
+def _lower_target(eqn, floats, env, policy) -> np.dtype | None:
   if any(
     not casting.is_eligible(env.dtype(a)) and jnp.issubdtype(env.dtype(a), jnp.floating)
-    for a in atoms
+    for a in eqn.invars
   ):
     return None  # float64 operands: not eligible, as in torch
   return policy.dtype
 
 
-def _float32_target(atoms, floats, env, policy) -> np.dtype:
+def _float32_target(eqn, floats, env, policy) -> np.dtype:
   return jnp.dtype(jnp.float32)
 
 
-def _promote_target(atoms, floats, env, policy) -> np.dtype | None:
+def _promote_target(eqn, floats, env, policy) -> np.dtype | None:
   strong = [
-    env.dtype(a) for a, f in zip(atoms, floats, strict=True) if f and not env.facts.is_weak(a)
+    env.dtype(a)
+    for i, (a, f) in enumerate(zip(eqn.invars, floats, strict=True))
+    if f and not env.facts.follows_partner(eqn, i)
   ]
   return casting.widest(strong) if strong else None
 
 
-def _native_target(atoms, floats, env, policy) -> None:
+def _native_target(eqn, floats, env, policy) -> None:
   return None
 
 
@@ -217,7 +219,7 @@ def cast_inputs(
   atoms = eqn.invars
   select = [True] * len(atoms) if select is None else select
   floats = [s and casting.is_eligible(env.dtype(a)) for a, s in zip(atoms, select, strict=True)]
-  target = cast_to if cast_to is not None else CAST_TARGETS[category](atoms, floats, env, policy)
+  target = cast_to if cast_to is not None else CAST_TARGETS[category](eqn, floats, env, policy)
   if target is None:
     return [env.read(a) for a in atoms]
   saturate = [False] * len(atoms) if saturate is None else saturate
@@ -537,7 +539,7 @@ def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:
     dtypes = {compat.typeof(invals[i]).dtype for i in members}
     if len(dtypes) < 2:
       continue
-    weak = {i: env.facts.is_weak(eqn.invars[i]) for i in members}
+    weak = {i: env.facts.follows_partner(eqn, i) for i in members}
     refs = [compat.typeof(invals[i]).dtype for i in members if compat.is_ref(invals[i])]
     strong = [compat.typeof(invals[i]).dtype for i in members if not weak[i]] or [
       # All scalars: a rank-0 value outranks a literal, as torch's 0-dim tensors outrank its

@@ -66,6 +66,13 @@ class Policy:
         return keyed
     return categories.get(primitive, Category.NATIVE)
 
+  def without_float8(self) -> Policy:
+    """This policy with its matmuls in ``dtype`` (bfloat16) instead of float8; itself if none
+    are float8."""
+    if self.matmul_dtype is None:
+      return self
+    return dataclasses.replace(self, matmul_dtype=None, gradient_dtype=None)
+
   def with_rules(self, rules: Mapping) -> Policy:
     """A new policy with the rows ``rules`` names changed; this one is left as it is.
 
