@@ -138,6 +138,16 @@ def test_a_layout_change_of_a_fill_is_weak():
   assert facts.is_weak(eqn_named(jaxpr, "transpose").outvars[0])
 
 
+def fill_roles(fun, operands: dict[str, int]) -> dict[str, tuple[bool, bool]]:
+  """(is a fill, follows its partner) of one operand of each named eqn of ``fun(X)``."""
+  jaxpr, facts = facts_of(fun, X)
+  roles = {}
+  for name, position in operands.items():
+    eqn = eqn_named(jaxpr, name)
+    roles[name] = (facts.is_fill(eqn.invars[position]), facts.follows_partner(eqn, position))
+  return roles
+
+
 def test_a_fill_stands_for_a_scalar_where_torch_takes_one():
   def fun(x):
     fill = jnp.zeros((4, 8))
@@ -149,17 +159,8 @@ def test_a_fill_stands_for_a_scalar_where_torch_takes_one():
       x.at[0].add(jnp.zeros(8)),
     )
 
-  jaxpr, facts = facts_of(fun, X)
-  for name, position in [
-    ("select_n", 1),
-    ("max", 1),
-    ("clamp", 0),
-    ("dynamic_update_slice", 1),
-    ("scatter-add", 2),
-  ]:
-    eqn = eqn_named(jaxpr, name)
-    assert facts.is_fill(eqn.invars[position]), name
-    assert facts.follows_partner(eqn, position), name
+  operands = {"select_n": 1, "max": 1, "clamp": 0, "dynamic_update_slice": 1, "scatter-add": 2}
+  assert fill_roles(fun, operands) == dict.fromkeys(operands, (True, True))
 
 
 def test_a_fill_is_an_array_of_its_dtype_as_an_accumulator_buffer_or_block():
@@ -174,16 +175,8 @@ def test_a_fill_is_an_array_of_its_dtype_as_an_accumulator_buffer_or_block():
       jnp.concatenate([fill, x]),
     )
 
-  jaxpr, facts = facts_of(fun, X)
-  for name, position in [
-    ("add", 0),
-    ("scatter-add", 0),
-    ("dynamic_update_slice", 0),
-    ("concatenate", 0),
-  ]:
-    eqn = eqn_named(jaxpr, name)
-    assert facts.is_fill(eqn.invars[position]), name
-    assert not facts.follows_partner(eqn, position), name
+  operands = {"add": 0, "scatter-add": 0, "dynamic_update_slice": 0, "concatenate": 0}
+  assert fill_roles(fun, operands) == dict.fromkeys(operands, (True, False))
 
 
 def test_a_broadcast_rank_0_value_follows_its_partner_everywhere():
