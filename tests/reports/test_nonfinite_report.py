@@ -409,7 +409,9 @@ def test_linen_train_step_reports_the_overflowing_layer_until_the_scale_fits():
     if not metrics["found_inf"]:
       break
     skipped.append(report.nonfinite_paths())
-  assert skipped == [("big_in/kernel",)] * 3 and float(metrics["scale"]) == 2.0**9
+  # How many halvings it takes depends on the drawn weights; each names the same layer.
+  assert skipped and skipped == [("big_in/kernel",)] * len(skipped)
+  assert float(metrics["scale"]) == OVERFLOW_SCALE / 2 ** len(skipped)
   max_finite = nonfinite._fmt(float(report.max_finite))
   assert str(report) == f"all 5 leaves finite, max finite {max_finite}"
 

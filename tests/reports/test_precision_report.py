@@ -15,9 +15,11 @@ import jaxamp
 
 F16_ROUNDING = 2.0**-11  # float16's unit roundoff: the largest relative error of one rounding
 BF16_ROUNDING = 2.0**-8
-X = jax.random.normal(jax.random.key(0), (4, 8))
-W = jax.random.normal(jax.random.key(1), (8, 8)) / 3
-LAYERS = jax.random.normal(jax.random.key(2), (3, 8, 8)) / 3
+# Drawn by numpy: the reports' claims hold for these values whichever bits jax.random draws.
+_RNG = np.random.default_rng(0)
+X = jnp.asarray(_RNG.standard_normal((4, 8)), jnp.float32)
+W = jnp.asarray(_RNG.standard_normal((8, 8)) / 3, jnp.float32)
+LAYERS = jnp.asarray(_RNG.standard_normal((3, 8, 8)) / 3, jnp.float32)
 
 
 def entries(report, primitive, path=None):
