@@ -163,7 +163,7 @@ def keeps_dtypes(eqn) -> bool:
 
 # --- the categories ------------------------------------------------------------------------------
 
-# A category's cast target: (the eqn's atoms, which of them to cast, env, policy) -> the dtype
+# A category's cast target: (the eqn, which of its inputs to cast, env, policy) -> the dtype
 # the selected eligible floats are cast to, or None to run on the incoming dtypes.
 CastTarget = Callable[[Any, Sequence[bool], "Env", Policy], np.dtype | None]
 
