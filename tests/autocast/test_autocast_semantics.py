@@ -495,6 +495,15 @@ def test_a_segment_sum_of_16_bit_messages_accumulates_in_float32(device_type):
   np.testing.assert_array_equal(got, agg(x, w))
 
 
+def test_a_fill_passed_into_a_jit_keeps_its_role_inside():
+  accumulate = jax.jit(lambda total, h: total + h)
+  masked = jax.jit(lambda h, fill: jnp.where(h > 0, h, fill))
+  summed = lambda x, w: accumulate(jnp.zeros((4, 8)), x @ w)
+  kept = lambda x, w: masked(x @ w, jnp.zeros((4, 8)))
+  assert jaxamp.autocast(summed, device_type="cuda")(X, W).dtype == jnp.float32
+  assert jaxamp.autocast(kept, device_type="cuda")(X, W).dtype == jnp.float16
+
+
 def test_a_buffer_made_inside_keeps_its_dtype_when_a_16_bit_value_is_written_into_it():
   cache = lambda x, w: lax.dynamic_update_slice(jnp.zeros((6, 8)), x @ w, (1, 0))
   assert jaxamp.autocast(cache, device_type="cpu")(X, W).dtype == jnp.float32
