@@ -20,7 +20,14 @@ import importlib.util
 import inspect
 import os
 
+import jax
 import pytest
+
+# XLA:CPU compiles JAX's default, partitionable threefry 10-30x slower than the classic one for
+# small shapes (a (3, 3, 4, 8) normal: ~12 s against ~0.4 s), and the suite draws thousands of
+# small weights. The tests run the classic one in-process; what they start as subprocesses (the
+# README, notebooks, scripts) keeps JAX's default, and tests/autocast/test_prng.py runs both.
+jax.config.update("jax_threefry_partitionable", False)
 
 # Keras 3 picks its backend when first imported (tests/integrations/test_keras.py), whoever
 # imports it first: JAX's, before any test module is.
