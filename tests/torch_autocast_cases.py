@@ -44,6 +44,10 @@ def draw(rng: np.random.Generator, kind: str, shape: tuple[int, ...]) -> np.ndar
     return _bf16_grid(rng.uniform(0.5, 2.0, shape))
   if name == "angle":
     return _bf16_grid(rng.uniform(-3.0, 3.0, shape))
+  if name == "near_one":  # factors of a long product
+    return _bf16_grid(1.0 + rng.uniform(-0.02, 0.02, shape))
+  if name == "offset":  # a spread of 4 around 1000: a mean rounded to 16 bits loses it
+    return _bf16_grid(1000.0 + 4.0 * rng.standard_normal(shape))
   if name == "sign":
     return rng.choice([-1.0, 1.0], shape).astype(np.float32)
   if name == "binary":
@@ -1115,6 +1119,26 @@ def _fill_cases() -> list[dict[str, Any]]:
   ]
 
 
+def _accumulation_cases() -> list[dict[str, Any]]:
+  # Long 16-bit reductions and scans: torch's kernels accumulate in float32 and round once.
+  def unlisted(name, expr, torch_op, x):
+    return case(name, expr, "unlisted", torch_op, x=x)
+
+  long_row, offset = low("positive", 2, 512), low("offset", 3, 8)
+  return [
+    unlisted("cumsum_long", "torch.cumsum(x, dim=1)", "cumsum", long_row),
+    unlisted("cumprod_long", "torch.cumprod(x, dim=1)", "cumprod", low("near_one", 2, 512)),
+    unlisted("logcumsumexp_long", "torch.logcumsumexp(x, dim=1)", "logcumsumexp", long_row),
+    unlisted("var_offset", "torch.var(x, dim=1)", "var", offset),
+    unlisted("std_offset", "torch.std(x, dim=1)", "std", offset),
+    unlisted("nanmean", "torch.nanmean(x, dim=1)", "nanmean", LA),
+    unlisted("median", "torch.median(x, dim=1).values", "median", low("normal", 4, 9)),
+    unlisted("avg_pool2d_wide", "F.avg_pool2d(x, 16)", "avg_pool2d", low("positive", 1, 2, 16, 32)),
+    unlisted("unfold", "F.unfold(x, 2, stride=2)", "im2col", inp("normal", 1, 2, 4, 4)),
+    unlisted("unfold_low", "F.unfold(x, 2, stride=2)", "im2col", low("normal", 1, 2, 4, 4)),
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
@@ -1126,6 +1150,7 @@ def all_cases() -> list[dict[str, Any]]:
     + _sparse_cases()
     + _norm_cases()
     + _fill_cases()
+    + _accumulation_cases()
   )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}

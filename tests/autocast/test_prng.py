@@ -59,3 +59,14 @@ def test_a_raw_uint32_key_draws_what_plain_jax_draws(partitionable):
     noise = jax.random.uniform(key, (4, 8))
   assert low.dtype == jnp.float32  # a float32 tensor added to a bfloat16 product promotes
   np.testing.assert_allclose(low - noise, X @ W, atol=0.05)
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+@pytest.mark.parametrize("sampler", [jax.random.gamma, jax.random.loggamma, jax.random.dirichlet])
+def test_a_gamma_draw_of_a_16_bit_alpha_is_plain_jaxs_float32_draw(sampler, device_type):
+  # jax.random.gamma casts alpha to float32 itself, a cast a float32 trace does not hold.
+  key, x, w = jax.random.key(0), jnp.asarray([[0.5], [2.0], [30.0]]), jnp.ones((1, 1))
+  draw = lambda key, x, w: sampler(key, (x @ w)[:, 0])  # alphas exact in 16 bits
+  out = jax.jit(jaxamp.autocast(draw, device_type=device_type))(key, x, w)
+  assert out.dtype == jnp.float32
+  np.testing.assert_array_equal(out, draw(key, x, w))

@@ -6,10 +6,10 @@ and whatever its files are called. The op name keys the policy tables: a table r
 category; ops without a row run in the dtypes of their inputs, as torch runs its unlisted ops (so
 ``gelu`` under the CUDA policy does not send its ``x**3`` to float32 the way a bare ``pow`` would).
 
-jax and optax (dependencies, already imported) resolve at import, so a rename fails there; flax,
-Haiku and Equinox resolve at the first trace after they are imported, so registering their
-layers imports none of them. ``tests/autocast/test_library_ops.py`` resolves and exercises
-every entry.
+jax and optax (dependencies, already imported) resolve at import, so a rename fails there (but
+for ``EAGER_OPS_IF_PRESENT``, which older jax versions lack); flax, Haiku and Equinox resolve at
+the first trace after they are imported, so registering their layers imports none of them.
+``tests/autocast/test_library_ops.py`` resolves and exercises every entry.
 """
 
 _LAX_NUMPY = "jax._src.numpy.lax_numpy"  # the pad modes jnp.pad dispatches to are private
@@ -50,10 +50,37 @@ EAGER_OPS = (
   ("jax.numpy", "sum", "sum"),
   ("jax.numpy", "prod", "prod"),
   ("jax.numpy", "mean", "mean"),
+  ("jax.numpy", "nanmean", "mean"),
+  ("jax.numpy", "var", "var"),
+  ("jax.numpy", "nanvar", "var"),
+  ("jax.numpy", "std", "std"),
+  ("jax.numpy", "nanstd", "std"),
   ("jax.numpy", "cumsum", "cumsum"),
   ("jax.numpy", "cumprod", "cumprod"),
   ("jax.numpy", "quantile", "quantile"),
   ("jax.numpy", "nanquantile", "quantile"),
+  ("jax.numpy", "round", "round"),  # upcasts float16 itself: a cast a float32 trace lacks
+  ("jax.numpy", "around", "round"),
+  ("jax.numpy", "median", "median"),  # torch's median selects: no quantile interpolation
+  ("jax.numpy", "nanmedian", "median"),
+  # jax.lax: the scans and the window sum behind every sum-pooling, however spelled
+  ("jax.lax", "cumsum", "cumsum"),
+  ("jax.lax", "cumprod", "cumprod"),
+  ("jax.lax", "cumlogsumexp", "logcumsumexp"),
+  ("jax._src.lax.windowed_reductions", "_reduce_window_sum", "window_sum"),
+  ("jax.lax", "conv_general_dilated_patches", "im2col"),  # torch's unfold: a gather, not a conv
+  # jax.scipy.special functions written for float32 and float64 only: they pick thresholds,
+  # series lengths and constants by the traced dtype, and most reject 16-bit inputs.
+  ("jax.scipy.special", "ndtr", "special_ndtr"),
+  ("jax.scipy.special", "ndtri", "special_ndtri"),
+  ("jax.scipy.special", "log_ndtr", "special_log_ndtr"),
+  ("jax.scipy.special", "spence", "special_spence"),
+  ("jax.scipy.special", "expi", "special_expi"),
+  ("jax.scipy.special", "exp1", "special_exp1"),
+  ("jax.scipy.special", "expn", "special_expn"),
+  ("jax.scipy.special", "sici", "special_sici"),
+  ("jax.scipy.special", "hyp1f1", "special_hyp1f1"),
+  ("jax.scipy.special", "hyp2f1", "special_hyp2f1"),
   # optax losses
   ("optax.losses", "sigmoid_binary_cross_entropy", "binary_cross_entropy_with_logits"),
   ("optax.losses", "softmax_cross_entropy", "cross_entropy"),
@@ -106,6 +133,17 @@ LAZY_OPS = (
   ("equinox.nn", "AvgPool1d.__call__", "avg_pool"),
   ("equinox.nn", "AvgPool2d.__call__", "avg_pool"),
   ("equinox.nn", "AvgPool3d.__call__", "avg_pool"),
+  # Keras 3 (its JAX backend): the norm layers upcast a 16-bit input themselves, a cast a float32
+  # trace does not hold.
+  ("keras.layers", "BatchNormalization.call", "batch_norm"),
+  ("keras.layers", "LayerNormalization.call", "layer_norm"),
+  ("keras.layers", "GroupNormalization.call", "group_norm"),
 )
 
-LIBRARY_OPS = EAGER_OPS + LAZY_OPS
+# Functions of newer jax versions than the oldest supported: recognised where jax has them.
+EAGER_OPS_IF_PRESENT = (
+  ("jax.scipy.special", "erfcx", "special_erfcx"),
+  ("jax.scipy.special", "dawsn", "special_dawsn"),
+)
+
+LIBRARY_OPS = EAGER_OPS + EAGER_OPS_IF_PRESENT + LAZY_OPS

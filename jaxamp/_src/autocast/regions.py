@@ -276,6 +276,11 @@ def _recognise_library_ops() -> None:
   the optional libraries' once they are imported."""
   for module, path, name in library_ops.EAGER_OPS:
     register_library_op(resolve(module, path), name)
+  for module, path, name in library_ops.EAGER_OPS_IF_PRESENT:
+    try:
+      register_library_op(resolve(module, path), name)
+    except AttributeError:  # an older jax
+      pass
   for module, path, name in library_ops.LAZY_OPS:
     register_library_op_lazily(module, path, name)
 
@@ -296,7 +301,38 @@ class Marks(NamedTuple):
 NO_MARKS = Marks(False, ())
 
 
+# Calls of functions with custom derivatives: a registered function that is itself a custom_jvp
+# or custom_vjp (jax.scipy.special.log_ndtr) is bound outside its Python code, and JAX traces its
+# rules with the call's traceback, so only the primal body's eqns are traced inside it.
+_CUSTOM_DERIVATIVE_CALLS = frozenset(
+  {compat.primitives.custom_jvp_call_p, compat.primitives.custom_vjp_call_p}
+)
+
+
 def marks_of(eqn) -> Marks:
+  """The region marks of one eqn, from its name stack and its traceback. A custom-derivative
+  call lies also in the ops every eqn of its primal body lies in: it is that op's call, and its
+  rules run inside the op, as its primal does."""
+  own = _own_marks(eqn)
+  if own.kept or eqn.primitive not in _CUSTOM_DERIVATIVE_CALLS:
+    return own
+  body = [marks_of(inner) for inner in eqn.params["call_jaxpr"].jaxpr.eqns]
+  if not body or any(m.kept for m in body):
+    return own
+  first = body[0]
+  wrapped = [
+    (op, at)
+    for op, at in zip(first.ops, first.positions, strict=True)
+    if op not in own.ops and all(op in m.ops for m in body[1:])
+  ]
+  if not wrapped:
+    return own
+  return Marks(
+    False, own.ops + tuple(op for op, _ in wrapped), own.positions + tuple(at for _, at in wrapped)
+  )
+
+
+def _own_marks(eqn) -> Marks:
   """The region marks of one eqn, from its name stack and its traceback."""
   scopes = compat.name_scopes(eqn)
   if not _KEPT_MARKS.isdisjoint(scopes):

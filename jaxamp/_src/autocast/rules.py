@@ -94,6 +94,7 @@ KEEP_DTYPES = frozenset(
     prims.io_callback_p,
     prims.ffi_call_p,
     prims.run_state_p,
+    prims.random_gamma_p,  # jax.random.gamma samples in float32 whatever dtype alpha has
   }
 )
 # The same for primitives of optional backends JAX exports no object for (Pallas, Mosaic).

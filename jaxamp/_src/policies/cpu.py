@@ -107,7 +107,7 @@ ROWS = (
     ("avg_pool3d", "adaptive_avg_pool3d"),
     F,
     primitives=(Variant(prims.reduce_window_sum_p, "3d"),),
-    ops=("avg_pool[3d]",),
+    ops=("avg_pool[3d]", "window_sum[3d]"),
   ),
   Row(
     ("max_pool3d", "adaptive_max_pool3d"), F, primitives=(Variant(prims.reduce_window_max_p, "3d"),)
@@ -141,9 +141,11 @@ ROWS = (
   ),
   Row(("ctc_loss",), F, ops=("ctc_loss",)),
   # --- unlisted single kernels in torch: they return their input's dtype -----------------
-  # torch's CPU softmax and norm kernels accumulate in float32 and return the input dtype
-  # (rms_norm too, checked on torch 2.13: bitwise the float32 result rounded).
+  # torch's CPU softmax, norm, reduction and scan kernels accumulate in float32 and return the
+  # input dtype (rms_norm and cumsum too, checked on torch 2.13: bitwise the float32 result
+  # rounded).
   Row(("avg_pool1d", "avg_pool2d"), F_IN, ops=("avg_pool",)),
+  Row((shared.WINDOW_SUM,), F_IN, ops=("window_sum",)),
   Row(shared.UPSAMPLE_OPS, F_IN, ops=("upsample",)),
   Row(
     (
@@ -155,6 +157,11 @@ ROWS = (
       "batch_norm",
       "sum",
       "mean",
+      "var",
+      "std",
+      "cumsum",
+      "cumprod",
+      "logcumsumexp",
       "rms_norm",
       "instance_norm",
     ),
@@ -168,6 +175,11 @@ ROWS = (
       "batch_norm",
       "sum",
       "mean",
+      "var",
+      "std",
+      "cumsum",
+      "cumprod",
+      "logcumsumexp",
       "rms_norm",
       "instance_norm",
     ),
@@ -216,6 +228,9 @@ ROWS = (
   # A 1-D by 1-D dot_general is torch's dot / vdot; bilinear runs its own (_trilinear) kernel.
   Row(("dot", "vdot"), N, primitives=(Variant(prims.dot_general_p, "vector"),)),
   Row(("bilinear",), N, ops=("bilinear",)),
+  *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
+  *shared.DATA_MOVEMENT,
+  *shared.ROUND_IN_FLOAT32,
   # --- promote to the widest input type -------------------------------------------------------
   Row(("cat", "stack"), P, primitives=(prims.concatenate_p,)),
   Row(("index_copy",), P, primitives=(prims.scatter_p,)),

@@ -75,7 +75,7 @@ ROWS = (
   Row(("cumsum",), F, primitives=(prims.cumsum_p,), ops=("cumsum",)),
   Row(("cumprod",), F, primitives=(prims.cumprod_p,), ops=("cumprod",)),
   # logcumsumexp is not in the reference list, but is the cumulative form of exp+sum.
-  Row(("logcumsumexp",), F, primitives=(prims.cumlogsumexp_p,)),
+  Row(("logcumsumexp",), F, primitives=(prims.cumlogsumexp_p,), ops=("logcumsumexp",)),
   # --- float32: composites ---------------------------------------------------------------------
   # logsumexp is in torch's CUDA float32 source list (AT_FORALL_FP32), not the reference doc.
   Row(("logsumexp",), F, ops=("logsumexp",)),
@@ -132,6 +132,9 @@ ROWS = (
   *shared.ACCUMULATING_KERNELS,
   *shared.UPSAMPLE_IN_FLOAT32,
   *shared.CTC_IN_FLOAT32,
+  *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
+  *shared.DATA_MOVEMENT,
+  *shared.ROUND_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
   # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
   # (without these rows, gelu's x**3 or elu's expm1 would follow the float32 pow/expm1 rows)

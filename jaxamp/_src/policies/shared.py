@@ -50,11 +50,17 @@ LINALG_IN_FLOAT32 = linalg_in_float32()
 # JAX has no complex32: lax.complex only takes float32/float64 parts.
 COMPLEX_IN_FLOAT32 = (Row(("view_as_complex",), Category.FLOAT32, primitives=(prims.complex_p,)),)
 
+# A sum over windows (lax.reduce_window with add: a hand-written average or sum pooling): the sum
+# torch's pooling kernels accumulate in float32.
+WINDOW_SUM = "window sum (avg_pool's kernel)"
+
 # Unlisted on CUDA and XPU, their kernels accumulate in float32 and return the input's dtype.
 ACCUMULATING_KERNELS = (
   Row(("mean",), Category.FLOAT32_INSIDE, ops=("mean",)),
+  Row(("var", "std"), Category.FLOAT32_INSIDE, ops=("var", "std")),
   Row(("batch_norm",), Category.FLOAT32_INSIDE, ops=("batch_norm",)),
   Row(("avg_pool1d", "avg_pool2d", "avg_pool3d"), Category.FLOAT32_INSIDE, ops=("avg_pool",)),
+  Row((WINDOW_SUM,), Category.FLOAT32_INSIDE, ops=("window_sum",)),
 )
 
 # torch's interpolate kernels (jax.image.resize). On torch 2.13's CUDA and XPU float32 source list
@@ -75,3 +81,38 @@ UPSAMPLE_IN_FLOAT32 = (Row(UPSAMPLE_OPS, Category.FLOAT32, ops=("upsample",)),)
 # optax's ctc_loss takes logits and computes that log_softmax inside; in 16 bits its one-hot
 # products would meet log(0)'s -1e5 as -inf and give NaN.
 CTC_IN_FLOAT32 = (Row(("ctc_loss",), Category.FLOAT32, ops=("ctc_loss",)),)
+
+# jax.scipy.special functions JAX writes for float32 and float64 only (``library_ops``): run as
+# traced, their float32 thresholds and series meet 16-bit values and underflow (log_ndtr gives
+# -inf, its gradient NaN). Most reject 16-bit inputs, and torch's CPU kernels of ndtr and log_ndtr
+# have none: they run in float32 rather than fail, as the linear algebra does.
+SPECIAL_FUNCTION_OPS = (
+  "special_ndtr",
+  "special_ndtri",
+  "special_log_ndtr",
+  "special_erfcx",
+  "special_dawsn",
+  "special_spence",
+  "special_expi",
+  "special_exp1",
+  "special_expn",
+  "special_sici",
+  "special_hyp1f1",
+  "special_hyp2f1",
+)
+SPECIAL_FUNCTIONS_IN_FLOAT32 = (
+  Row(SPECIAL_FUNCTION_OPS, Category.FLOAT32, ops=SPECIAL_FUNCTION_OPS),
+)
+
+# Rounding to decimals scales by 10**decimals, which overflows float16 from 655 at two decimals:
+# torch's kernel and jnp.round's own float16 path compute in float32.
+ROUND_IN_FLOAT32 = (Row(("round",), Category.FLOAT32_INSIDE, ops=("round",)),)
+
+# Ops that select or move values, which torch returns in their input's dtype whatever JAX computes
+# them with. lax.conv_general_dilated_patches (torch's unfold, im2col) convolves with a one-hot
+# kernel made in the traced dtype: exact in float32, it returns the input's dtype. jnp.median is
+# a quantile (on CPU's float32 list); torch's median selects one of the input's values.
+DATA_MOVEMENT = (
+  Row(("im2col",), Category.FLOAT32_INSIDE, ops=("im2col",)),
+  Row(("median", "nanmedian"), Category.NATIVE, ops=("median",)),
+)

@@ -129,12 +129,16 @@ ROWS = (
   # float32, which a program traced on float32 inputs would lose: they compute in float32 inside
   # (as shared.ACCUMULATING_KERNELS' mean; its batch_norm is on torch_xla's float32 list).
   Row(
-    ("mean", "sum", "layer_norm", "group_norm", "rms_norm"),
+    ("mean", "sum", "var", "std", "layer_norm", "group_norm", "rms_norm"),
     F_IN,
-    ops=("mean", "sum", "layer_norm", "group_norm", "rms_norm"),
+    ops=("mean", "sum", "var", "std", "layer_norm", "group_norm", "rms_norm"),
   ),
   # Unlisted average pooling and interpolation kernels return their input's dtype too.
   Row(("avg_pool1d", "avg_pool2d", "avg_pool3d"), F_IN, ops=("avg_pool",)),
+  Row((shared.WINDOW_SUM,), F_IN, ops=("window_sum",)),
+  *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
+  *shared.DATA_MOVEMENT,
+  *shared.ROUND_IN_FLOAT32,
   Row(shared.UPSAMPLE_OPS, F_IN, ops=("upsample",)),
   # --- unlisted single kernels: they run in their inputs' dtype -------------------------------
   # (without these rows, gelu's x**3 or norm's x**2 would follow the float32 pow row)

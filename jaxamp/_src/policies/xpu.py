@@ -90,6 +90,9 @@ ROWS = (
   *shared.ACCUMULATING_KERNELS,
   *shared.UPSAMPLE_IN_FLOAT32,
   *shared.CTC_IN_FLOAT32,
+  *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
+  *shared.DATA_MOVEMENT,
+  *shared.ROUND_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
   # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
   Row(
