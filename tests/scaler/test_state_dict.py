@@ -6,6 +6,7 @@ valid, where torch checks nothing.
 
 import math
 
+import cpu_devices
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,9 +261,65 @@ def test_load_state_dict_rejects_malformed_values_naming_them(d, error, message)
     jaxamp.scaler.load_state_dict(scaler_state(), d)
 
 
-def test_load_state_dict_rejects_a_growth_tracker_at_or_past_the_growth_interval():
-  with pytest.raises(ValueError, match="`_growth_tracker`"):
-    jaxamp.scaler.load_state_dict(scaler_state(), {**STATE_DICT, "_growth_tracker": 10})
+def test_a_growth_tracker_past_a_lowered_interval_round_trips():
+  # set_growth_interval below the tracker leaves it counting on until the next overflow, as
+  # torch's does; the state_dict of that state loads, into jaxamp as into torch.
+  state = scaler_state(growth_interval=10)
+  step = jax.jit(lambda g, s: scaler(growth_interval=3).update(g, s, PARAMS))
+  state = jaxamp.scaler.load_state_dict(
+    state, {**jaxamp.scaler.state_dict(state), "_growth_tracker": 5}
+  )
+  state = jaxamp.scaler.set_growth_interval(state, 3)
+  saved = jaxamp.scaler.state_dict(state)
+  assert saved["_growth_tracker"] == 5 and saved["growth_interval"] == 3
+  assert jaxamp.scaler.state_dict(jaxamp.scaler.load_state_dict(scaler_state(), saved)) == saved
+  _, stepped = step(jax.tree.map(jnp.ones_like, PARAMS), state)
+  assert int(stepped.growth_tracker) == 6 and float(stepped.scale) == 1024.0
+
+
+def test_load_state_dict_rejects_a_growth_tracker_past_int32():
+  with pytest.raises(ValueError, match=r"`_growth_tracker` must be an int in \[0, 2\*\*31 - 1\]"):
+    jaxamp.scaler.load_state_dict(scaler_state(), {**STATE_DICT, "_growth_tracker": 2**31})
+
+
+def test_state_dict_under_jit_raises_naming_get_scale():
+  with pytest.raises(TypeError, match="outside `jit`.*get_scale"):
+    jax.jit(lambda s: jaxamp.scaler.state_dict(s)["scale"])(scaler_state())
+
+
+def test_load_state_dict_of_a_traced_scale_raises_naming_set_scale():
+  load = lambda s, scale: jaxamp.scaler.load_state_dict(s, {**STATE_DICT, "scale": scale})
+  with pytest.raises(TypeError, match="outside `jit`.*set_scale"):
+    jax.jit(load)(scaler_state(), jnp.float32(8.0))
+
+
+PMAP_REPLICATED = """
+import flax.jax_utils, jax, jax.numpy as jnp, optax, jaxamp
+
+params = {"w": jnp.ones(3)}
+tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**16)
+state = flax.jax_utils.replicate(tx.init(params))
+assert jaxamp.scaler.get_scale(state).shape == (2,)
+saved = jaxamp.scaler.state_dict(state)
+assert saved["scale"] == 2.0**16 and saved["_growth_tracker"] == 0, saved
+state = jaxamp.scaler.set_scale(state, 1024.0)
+assert jaxamp.scaler.get_scale(state).tolist() == [1024.0, 1024.0]
+state = jaxamp.scaler.load_state_dict(state, saved)
+assert jaxamp.scaler.get_scale(state).tolist() == [2.0**16, 2.0**16]
+diverged = state._replace(scale=jnp.asarray([1.0, 2.0]))
+try:
+  jaxamp.scaler.state_dict(diverged)
+except ValueError as error:
+  assert "axis_name" in str(error), error
+else:
+  raise AssertionError("state_dict of diverged replicas did not raise")
+print("OK")
+"""
+
+
+def test_the_accessors_read_and_write_a_pmap_replicated_state():
+  out = cpu_devices.run_script(PMAP_REPLICATED, devices=2)
+  assert out.stdout.strip().endswith("OK"), out.stderr[-2000:]
 
 
 def test_torch_load_state_dict_checks_nothing_where_jaxamp_validates():

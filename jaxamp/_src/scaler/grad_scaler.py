@@ -25,6 +25,9 @@ from jaxamp._src.integrations import state_tree
 from jaxamp._src.scaler import checks, loss_scale
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _find(opt_state: Any) -> loss_scale.DynamicLossScaleState:
   return state_tree.tree_find_one(opt_state, loss_scale.DynamicLossScaleState, "opt_state")
 
@@ -202,23 +205,43 @@ def state_dict(opt_state: Any) -> dict[str, Any]:
   if not state.enabled:
     return {}
   d = {
-    "scale": float(state_tree.tree_unwrap(state.scale)),
+    "scale": float(_host_value("scale", state.scale)),
     "growth_factor": state.growth_factor,
     "backoff_factor": state.backoff_factor,
     "growth_interval": state.growth_interval,
-    "_growth_tracker": int(state_tree.tree_unwrap(state.growth_tracker)),
+    "_growth_tracker": int(_host_value("growth_tracker", state.growth_tracker)),
   }
   if state.min_scale is not None:
     d["min_scale"] = state.min_scale
   return d
 
 
+def _host_value(name: str, value: Any) -> np.generic:
+  """The one value of a scaler state's leaf, read from the device: a 0-d array, or copies of it
+  (a ``pmap``-replicated state holds one per device)."""
+  value = state_tree.tree_unwrap(value)
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+      "`state_dict` reads the scaler's state on the host (a sync, as torch's does): call it "
+      "outside `jit`. Inside `jit`, `jaxamp.scaler.get_scale` returns the scale as an array."
+    )
+  values = np.asarray(value).ravel()
+  if values.size == 0 or (values != values[0]).any():
+    raise ValueError(
+      f"The scaler's {name} holds {values.size} different values {values[:8].tolist()}; a "
+      "state_dict has one. Replicas (pmap) agree when the scaler has the `axis_name` of the "
+      "gradients' all-reduce; read one replica with `jax.tree.map(lambda x: x[0], opt_state)`."
+    )
+  return values[0]
+
+
 def _like(old: Any, value: Any, dtype: Any) -> Any:
-  """``value`` as an array shaped and placed like ``old``; an ``nnx.Variable`` is set in place."""
-  new = jnp.asarray(value, dtype)
+  """``value`` as an array shaped and placed like ``old`` (a ``pmap``-replicated leaf gets a copy
+  per device); an ``nnx.Variable`` is set in place."""
   if state_tree.is_variable(old):
     old.set_value(_like(old.get_value(), value, dtype))
     return old
+  new = jnp.broadcast_to(jnp.asarray(value, dtype), np.shape(old))
   if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
     return jax.device_put(new, old.sharding)
   return new
@@ -270,6 +293,11 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
   min_scale = state_dict.get("min_scale", state.min_scale)
   checks.check_min_scale(min_scale)
   scale = state_dict["scale"]
+  if any(isinstance(state_dict[k], jax.core.Tracer) for k in ("scale", "_growth_tracker")):
+    raise TypeError(
+      "`load_state_dict` runs on the host, outside `jit`: the hyperparameters it loads are "
+      "static. Inside `jit`, set a traced scale with `jaxamp.scaler.set_scale`."
+    )
   if (
     isinstance(scale, jax.Array | np.ndarray)
     and np.shape(scale) == ()
@@ -287,11 +315,12 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
   tracker = state_dict["_growth_tracker"]
   if isinstance(tracker, (bool, np.bool_)) or not isinstance(tracker, numbers.Integral):
     raise TypeError(f"`_growth_tracker` must be an int, got {type(tracker).__name__}: {tracker!r}.")
-  interval = int(state_dict["growth_interval"])
-  if not 0 <= int(tracker) < interval:
+  if not 0 <= int(tracker) <= _INT32_MAX:
+    # A tracker at or past the interval is valid (set_growth_interval lowering the interval
+    # leaves one): it counts on until the next overflow resets it, as torch's does.
     raise ValueError(
-      f"`_growth_tracker` must be an int in [0, growth_interval) = [0, {interval}): a tracker "
-      f"that reached the interval would never let the scale grow again; got {tracker!r}."
+      f"`_growth_tracker` must be an int in [0, 2**31 - 1] (it is stored in int32), got "
+      f"{tracker!r}."
     )
 
   def load(old: loss_scale.DynamicLossScaleState) -> loss_scale.DynamicLossScaleState:
