@@ -294,11 +294,11 @@ def test_load_state_dict_of_a_traced_scale_raises_naming_set_scale():
 
 
 PMAP_REPLICATED = """
-import flax.jax_utils, jax, jax.numpy as jnp, optax, jaxamp
+import jax, jax.numpy as jnp, optax, jaxamp
 
 params = {"w": jnp.ones(3)}
 tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**16)
-state = flax.jax_utils.replicate(tx.init(params))
+state = jax.pmap(lambda _: tx.init(params))(jnp.arange(2))  # one copy per device
 assert jaxamp.scaler.get_scale(state).shape == (2,)
 saved = jaxamp.scaler.state_dict(state)
 assert saved["scale"] == 2.0**16 and saved["_growth_tracker"] == 0, saved
