@@ -24,7 +24,6 @@ from jax import lax
 from jaxamp._src.integrations import state_tree
 from jaxamp._src.scaler import checks, loss_scale
 
-
 _INT32_MAX = 2**31 - 1
 
 
