@@ -84,6 +84,19 @@ def check_backoff_factor(backoff_factor: Any) -> None:
     )
 
 
+def check_growth_tracker(tracker: Any) -> None:
+  """An int in [0, 2**31 - 1], the int32 it is stored in. A tracker at or past the interval is
+  valid (set_growth_interval lowering the interval leaves one): it counts on until the next
+  overflow resets it, as torch's does."""
+  if isinstance(tracker, (bool, np.bool_)) or not isinstance(tracker, numbers.Integral):
+    raise TypeError(f"`_growth_tracker` must be an int, got {type(tracker).__name__}: {tracker!r}.")
+  if not 0 <= int(tracker) <= np.iinfo(np.int32).max:
+    raise ValueError(
+      f"`_growth_tracker` must be an int in [0, 2**31 - 1] (it is stored in int32), got "
+      f"{tracker!r}."
+    )
+
+
 def check_growth_interval(growth_interval: Any) -> None:
   """An int in [1, 2**31 - 1]: the growth tracker is an int32."""
   if isinstance(growth_interval, (bool, np.bool_)) or not isinstance(

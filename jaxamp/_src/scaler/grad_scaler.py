@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any
 
 import chex
@@ -23,8 +22,6 @@ from jax import lax
 
 from jaxamp._src.integrations import state_tree
 from jaxamp._src.scaler import checks, loss_scale
-
-_INT32_MAX = 2**31 - 1
 
 
 def _find(opt_state: Any) -> loss_scale.DynamicLossScaleState:
@@ -301,7 +298,6 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
     isinstance(scale, jax.Array | np.ndarray)
     and np.shape(scale) == ()
     and jnp.issubdtype(scale.dtype, jnp.floating)
-    and not isinstance(scale, jax.core.Tracer)
   ):
     scale = float(scale)  # the scale is state: get_scale's 0-d array is welcome
   checks.check_real("scale", scale)
@@ -312,15 +308,7 @@ def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:
         f"{scale!r}."
       )
   tracker = state_dict["_growth_tracker"]
-  if isinstance(tracker, (bool, np.bool_)) or not isinstance(tracker, numbers.Integral):
-    raise TypeError(f"`_growth_tracker` must be an int, got {type(tracker).__name__}: {tracker!r}.")
-  if not 0 <= int(tracker) <= _INT32_MAX:
-    # A tracker at or past the interval is valid (set_growth_interval lowering the interval
-    # leaves one): it counts on until the next overflow resets it, as torch's does.
-    raise ValueError(
-      f"`_growth_tracker` must be an int in [0, 2**31 - 1] (it is stored in int32), got "
-      f"{tracker!r}."
-    )
+  checks.check_growth_tracker(tracker)
 
   def load(old: loss_scale.DynamicLossScaleState) -> loss_scale.DynamicLossScaleState:
     return old._replace(
