@@ -36,8 +36,8 @@ def _bf16_grid(x: np.ndarray) -> np.ndarray:
 def draw(rng: np.random.Generator, kind: str, shape: tuple[int, ...]) -> np.ndarray:
   """Values of one input: ``kind`` names a distribution or a structured matrix."""
   name, _, arg = kind.partition(":")
-  if name == "normal":
-    return _bf16_grid(rng.standard_normal(shape))
+  if name == "normal":  # "normal:s" has standard deviation s
+    return _bf16_grid(float(arg or 1.0) * rng.standard_normal(shape))
   if name == "uniform":  # probabilities away from 0 and 1
     return _bf16_grid(rng.uniform(0.05, 0.95, shape))
   if name == "positive":
@@ -1139,6 +1139,24 @@ def _accumulation_cases() -> list[dict[str, Any]]:
   ]
 
 
+def _attention_cases() -> list[dict[str, Any]]:
+  # torch's SDPA kernels compute the scores and softmax of 16-bit inputs in float32.
+  def sdpa(name, scale, seq):
+    return case(
+      name,
+      "F.scaled_dot_product_attention(q, k, v)",
+      "lower",
+      "scaled_dot_product_attention",
+      q=inp(f"normal:{scale}", 1, 2, seq, 16),
+      k=inp(f"normal:{scale}", 1, 2, seq, 16),
+      v=inp("normal", 1, 2, seq, 16),
+    )
+
+  # Long rows (rounding each probability to 16 bits before the sum loses precision) and scores
+  # past float16's range (q . k of 100-sigma entries).
+  return [sdpa("sdpa_long", 3, 256), sdpa("sdpa_large_logits", 100, 8)]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
@@ -1151,6 +1169,7 @@ def all_cases() -> list[dict[str, Any]]:
     + _norm_cases()
     + _fill_cases()
     + _accumulation_cases()
+    + _attention_cases()
   )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}

@@ -548,15 +548,6 @@ def platform_result_dot(name: str, platform: str) -> Any:
 
   Bilinear; its transposes are JAX's of ``dot_general`` (plain dots), and under ``vmap`` it is
   batched as ``dot_general`` is, the batched dots bound as this primitive."""
-  from jax.interpreters import ad, batching, mlir
-
-  primitive = jex_core.Primitive(name)
-
-  def dot(lhs, rhs, *, platform_dtype, **params):
-    return _exported.dot_general_p.bind(lhs, rhs, **params)
-
-  def lowered_dot(ctx, lhs, rhs, *, platform_dtype, **params):
-    return lower_as(ctx, _exported.dot_general_p, [lhs, rhs], ctx.avals_in, ctx.avals_out, **params)
 
   def lowered_platform_dot(ctx, lhs, rhs, *, platform_dtype, **params):
     (out_aval,) = ctx.avals_out
@@ -567,28 +558,85 @@ def platform_result_dot(name: str, platform: str) -> Any:
     (low,) = lower_as(ctx, barrier, [low], [low_aval], [low_aval])
     return [lower_convert(ctx, low, low_aval, out_aval)]
 
+  return _platform_dot(name, platform, lowered_platform_dot, round_cotangent=False)
+
+
+def platform_widened_dot(name: str, platform: str) -> Any:
+  """A new primitive: ``dot_general`` (its params, plus ``platform_dtype``) of 16-bit operands
+  with a wider result, lowered for ``platform`` (``"cpu"``) as the dot of the operands converted
+  to ``platform_dtype`` (float32: exact, as the products of 16-bit values are), and as the plain
+  dot elsewhere. XLA:CPU has no kernel for some bfloat16 x bfloat16 -> float32 dots.
+
+  Bilinear; its transposes round the cotangent to the other operand's dtype and are this dot
+  (16-bit operands, a wide result), as flash attention's backward gemms are; under ``vmap`` it
+  is batched as ``dot_general`` is."""
+
+  def lowered_platform_dot(ctx, lhs, rhs, *, platform_dtype, **params):
+    wide = [aval_with_dtype(aval, platform_dtype) for aval in ctx.avals_in]
+    args = [
+      lower_convert(ctx, value, aval, wide_aval)
+      for value, aval, wide_aval in zip((lhs, rhs), ctx.avals_in, wide, strict=True)
+    ]
+    return lower_as(ctx, _exported.dot_general_p, args, wide, ctx.avals_out, **params)
+
+  return _platform_dot(name, platform, lowered_platform_dot, round_cotangent=True)
+
+
+def _platform_dot(
+  name: str, platform: str, lowered_platform_dot: Callable[..., Any], round_cotangent: bool
+) -> Any:
+  """A new primitive: ``dot_general`` with a ``platform_dtype`` param, lowered for ``platform``
+  by ``lowered_platform_dot`` and as the plain dot elsewhere. Transposed by JAX's rule (the
+  cotangent rounded to the other operand's dtype first with ``round_cotangent``, its dots
+  bound as this primitive) and batched as ``dot_general``, the batched dots this primitive."""
+  from jax.interpreters import ad, batching, mlir
+
+  primitive = jex_core.Primitive(name)
+
+  def dot(lhs, rhs, *, platform_dtype, **params):
+    return _exported.dot_general_p.bind(lhs, rhs, **params)
+
+  def lowered_dot(ctx, lhs, rhs, *, platform_dtype, **params):
+    return lower_as(ctx, _exported.dot_general_p, [lhs, rhs], ctx.avals_in, ctx.avals_out, **params)
+
   def abstract_eval(lhs, rhs, *, platform_dtype, **params):
     out, _ = _exported.dot_general_p.abstract_eval(lhs, rhs, **params)
     return out
 
-  def transpose(linear: int) -> Callable[..., Any]:
-    def rule(ct, lhs, rhs, *, platform_dtype, **params):
-      return bilinear_transpose(_exported.dot_general_p, ct, (lhs, rhs), linear, params)
-
-    return rule
-
-  def batch(args, dims, *, platform_dtype, **params):
-    def dots(lhs, rhs):
-      batched = jax.vmap(functools.partial(dot, platform_dtype=None, **params), tuple(dims))
-      return [batched(lhs, rhs)]
+  def as_this(platform_dtype, fun: Callable[..., Any], args: Sequence[Any]) -> Any:
+    """``fun(*args)`` (one output) with its ``dot_general`` eqns bound as this primitive."""
 
     def bind_eqn(eqn, ins):
       if eqn.primitive is not _exported.dot_general_p:
         return eqn.primitive.bind(*ins, **eqn.params)
       return primitive.bind(*ins, **eqn.params, platform_dtype=platform_dtype)
 
-    closed = trace(dots, [typeof(arg) for arg in args])
-    return evaluate(closed, args, bind_eqn), 0
+    closed = trace(lambda *values: [fun(*values)], [typeof(arg) for arg in args])
+    return evaluate(closed, args, bind_eqn)
+
+  def transpose(linear: int) -> Callable[..., Any]:
+    def rule(ct, lhs, rhs, *, platform_dtype, **params):
+      operands = (lhs, rhs)
+      if not round_cotangent:
+        return bilinear_transpose(_exported.dot_general_p, ct, operands, linear, params)
+      other = operands[1 - linear]
+      ct = _exported.convert_element_type_p.bind(
+        ct, new_dtype=typeof(other).dtype, weak_type=False, sharding=None
+      )
+      undefined = operands[linear]
+
+      def transposed(ct, other):
+        placed = [undefined, undefined]
+        placed[1 - linear] = other
+        return bilinear_transpose(_exported.dot_general_p, ct, placed, linear, params)
+
+      return as_this(platform_dtype, transposed, [ct, other])
+
+    return rule
+
+  def batch(args, dims, *, platform_dtype, **params):
+    batched = jax.vmap(functools.partial(dot, platform_dtype=None, **params), tuple(dims))
+    return as_this(platform_dtype, batched, args), 0
 
   primitive.def_impl(functools.partial(_dispatch.apply_primitive, primitive))
   primitive.def_abstract_eval(abstract_eval)

@@ -162,8 +162,9 @@ def _eval_one(
 
 
 def _enter_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> None:
-  """What an op call's eqn owes the call whatever its rule: a FORBIDDEN op raises, and a
-  FLOAT32_INSIDE op notes the types of the values entering it (its exits follow them)."""
+  """What an op call's eqn owes the call whatever its rule: a FORBIDDEN op raises, a
+  FLOAT32_INSIDE op notes the types of the values entering it (its exits follow them), and an
+  accumulating LOWER op notes the low dtype its results leave in."""
   if call.category is Category.FORBIDDEN:
     raise RuntimeError(
       f"`{call.region.name}` is unsafe to autocast under the {ctx.policy.device_type!r} "
@@ -179,6 +180,8 @@ def _enter_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> None:
       if not compat.is_literal(a) and env.region.get(a) != call.instance
     ]
     env.exits.note_entering(call.instance, entering, call.region.name in op_calls.STATEFUL_OPS)
+  elif op_calls.accumulates(call):
+    env.exits.note_low(call.instance, ctx.policy.dtype)
 
 
 def _leave_ops(env: Env, atoms, instance: str | None) -> None:

@@ -30,6 +30,15 @@ STATEFUL_OPS = frozenset({"batch_norm"})
 # benchmark conv net) than the float32 copies it saves are worth.
 RECOMPUTED_OPS = frozenset({"softmax", "log_softmax", "softmin"})
 
+# LOWER ops whose torch kernels take 16-bit inputs but compute in float32 inside: SDPA's flash
+# kernels (CUDA and CPU) multiply 16-bit operands with float32 accumulation, take the softmax of
+# the float32 scores and round the probabilities to 16 bits for the second product; its math
+# fallback upcasts everything. A composite's 16-bit softmax would overflow where they do not
+# (float16 scores past 65504) and lose precision at long sequences. Inside these ops a matmul
+# returns float32 (``rules._matmul_in_op``), what follows computes on it, and the op's results
+# leave it in the low dtype.
+ACCUMULATING_OPS = frozenset({"scaled_dot_product_attention"})
+
 
 class OpCall(NamedTuple):
   """One call of an op region: the region, the instance telling calls apart, its category."""
@@ -105,8 +114,18 @@ def _reads_any(eqn, values: set) -> bool:
   return any(not compat.is_literal(a) and a in values for a in eqn.invars)
 
 
+def accumulates(call: OpCall) -> bool:
+  """Whether ``call`` is a LOWER op computing in float32 inside (``ACCUMULATING_OPS``)."""
+  return (
+    call.category is Category.LOWER
+    and call.region.cast_to is None
+    and call.region.name in ACCUMULATING_OPS
+  )
+
+
 class OpExits:
-  """What each FLOAT32_INSIDE call returns its float32 results in: its main input's dtype.
+  """What each FLOAT32_INSIDE call returns its float32 results in: its main input's dtype; and
+  each accumulating LOWER call (``ACCUMULATING_OPS``): the policy's low dtype.
 
   torch's kernels return the dtype of their main input; values leaving in another dtype were
   chosen explicitly (``dtype=``) and keep it. A stateful op's (``STATEFUL_OPS``) outputs shaped
@@ -116,6 +135,11 @@ class OpExits:
 
   def __init__(self):
     self._exits: dict[str, tuple[Any, frozenset]] = {}  # instance -> main input aval, shapes
+    self._low: dict[str, Any] = {}  # accumulating instance -> its low dtype
+
+  def note_low(self, instance: str, dtype) -> None:
+    """Every float32 result of ``instance`` leaves it in ``dtype``."""
+    self._low[instance] = dtype
 
   def note_entering(self, instance: str, avals: Sequence[Any], stateful: bool) -> None:
     """Remembers the largest floating value entering ``instance`` (and, for a stateful op, the
@@ -134,7 +158,11 @@ class OpExits:
   def exit_dtype(self, instance: str, shape: tuple, dtype) -> Any | None:
     """The dtype a value of ``shape`` and ``dtype`` computed in ``instance`` leaves it in; None
     when it leaves as it is."""
-    if instance not in self._exits or dtype != jnp.float32:
+    if dtype != jnp.float32:
+      return None
+    if instance in self._low:
+      return self._low[instance]
+    if instance not in self._exits:
       return None
     main, state_shapes = self._exits[instance]
     if shape == main.shape or shape not in state_shapes:
