@@ -7,11 +7,13 @@ one skipped test, ``live_torch_comparisons``, says how many there are and how to
 a line at the end of the run; the comparisons with the recorded golden files run either way.
 ``JAXAMP_TESTS_WITHOUT_TORCH=1`` runs the tests as if torch were not installed.
 
-The notebooks (collected from ``notebooks/`` by nbmake) are marked ``slow``, as the slow tests
-are: ``python -m pytest -m "not slow"`` is the fast subset, in which every test module keeps some
-tests. A parametrized test marked ``slow_after_first`` keeps its first case in the fast subset
-and marks the others ``slow`` (``fast_subset.first_of_each_family`` picks one case per family in
-the large parametrizations).
+The default run, ``python -m pytest`` with no paths and no ``-m``, is the fast subset (``-m "not
+slow"``), in which every test module keeps some tests; ``-m slow`` runs the rest and ``-m ""``
+everything (CI runs both halves). Naming paths or node ids runs all of what they name. The
+notebooks (collected from ``notebooks/`` by nbmake) are marked ``slow``, as the slow tests are. A
+parametrized test marked ``slow_after_first`` keeps its first case in the fast subset and marks
+the others ``slow`` (``fast_subset.first_of_each_family`` picks one case per family in the large
+parametrizations).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ SLOW_AFTER_FIRST_MARKER = (
   "slow_after_first: the first parametrized case is in the fast subset, the others are slow"
 )
 INSTALL_TORCH = "pip install torch==2.13.0 (its CPU build is enough)"
+FAST_SUBSET = "not slow"
 DESELECTED_FOR_TORCH = pytest.StashKey[list]()
 # The items the run collected, slow ones marked, before ``-m``/``-k`` deselect any.
 COLLECTED = pytest.StashKey[list]()
@@ -57,6 +60,13 @@ COLLECTED = pytest.StashKey[list]()
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line("markers", TORCH_MARKER)
   config.addinivalue_line("markers", SLOW_AFTER_FIRST_MARKER)
+  if config.args_source is pytest.Config.ArgsSource.TESTPATHS and not _selects_by_mark(config):
+    config.option.markexpr = FAST_SUBSET  # the default run (xdist hands it to its workers)
+
+
+def _selects_by_mark(config: pytest.Config) -> bool:
+  """Whether the command line gives ``-m`` (``-m ""`` too: everything)."""
+  return any(arg.startswith("-m") for arg in config.invocation_params.args)
 
 
 def _calls_torch(function) -> bool:

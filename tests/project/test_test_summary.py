@@ -1,10 +1,11 @@
 """The test run itself: without torch it ends by saying what did not run and how to run it; the
-notebooks belong to the slow tests (``-m "not slow"`` is the fast subset)."""
+default run is the fast subset (``-m "not slow"``), and the notebooks belong to the slow tests."""
 
 import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import conftest
 import pytest
@@ -93,3 +94,36 @@ def test_a_test_marked_slow_after_first_keeps_only_its_first_case_in_the_fast_su
   assert fast.count(cases) == 1 and every.count(cases) > 1
   first = next(line for line in every.splitlines() if cases in line)
   assert first in fast.splitlines()
+
+
+def configured(*args: str, source=pytest.Config.ArgsSource.TESTPATHS) -> str:
+  """The mark expression ``conftest.pytest_configure`` leaves for a command line of ``args``."""
+  option = types.SimpleNamespace(markexpr="")
+  config = types.SimpleNamespace(
+    args_source=source,
+    option=option,
+    invocation_params=types.SimpleNamespace(args=args),
+    addinivalue_line=lambda *_: None,
+  )
+  conftest.pytest_configure(config)
+  return option.markexpr
+
+
+def test_the_default_run_is_the_fast_subset():
+  assert configured() == "not slow"
+  assert configured("-q", "-x") == "not slow"
+
+
+def test_a_mark_expression_or_named_paths_choose_what_runs():
+  assert configured("-m", "") == ""  # -m "" runs everything
+  assert configured("-mslow") == ""  # the command line's own expression stands
+  assert configured("tests/scaler", source=pytest.Config.ArgsSource.ARGS) == ""
+
+
+@pytest.mark.slow  # pytest in a subprocess
+def test_a_run_without_paths_deselects_the_slow_tests():
+  printed = pytest_in_a_subprocess(
+    "--collect-only", "-o", "testpaths=tests/project/test_imports.py notebooks"
+  )
+  assert ".ipynb" not in printed and "deselected" in printed
+  assert "test_imports.py::" in printed
