@@ -109,6 +109,7 @@ EXAMPLES = {
   ("jax.nn", "mish"): (jax.nn.mish, (X,)),
   ("jax.nn", "glu"): (jax.nn.glu, (X,)),
   ("jax.nn", "relu"): (jax.nn.relu, (X,)),
+  ("jax.nn", "standardize"): (jax.nn.standardize, (X,)),
   ("jax.scipy.special", "logsumexp"): (jax.nn.logsumexp, (X,)),
   ("jax.image", "resize"): (lambda a: jax.image.resize(a, (8, 8), "bilinear"), (X,)),
   ("jax.image", "scale_and_translate"): (
@@ -323,6 +324,7 @@ def _eqx_batch_norm_state():
 
 
 NORM_LAYERS = {
+  "jax.nn.standardize": (lambda x: jax.nn.standardize(x, axis=-1), (XB,)),
   "haiku.LayerNorm": haiku(lambda x: hk.LayerNorm(-1, True, True)(x), XB),
   "haiku.BatchNorm": haiku(
     lambda x: hk.BatchNorm(True, True, 0.9)(x, is_training=True), XB, with_state=True

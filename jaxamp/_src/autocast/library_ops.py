@@ -29,6 +29,7 @@ EAGER_OPS = (
   ("jax.nn", "mish", "mish"),
   ("jax.nn", "glu", "glu"),
   ("jax.nn", "relu", "relu"),  # torch_xla lists relu (lower precision)
+  ("jax.nn", "standardize", "layer_norm"),  # layer_norm without scale and bias
   # jax.nn.logsumexp is jax.scipy.special.logsumexp
   ("jax.scipy.special", "logsumexp", "logsumexp"),
   # jax.image: torch's interpolate (upsample_nearest*, upsample_bilinear2d, ...)
