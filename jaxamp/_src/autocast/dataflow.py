@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from jaxamp._src import caches, compat
 
 prims = compat.primitives
@@ -161,10 +163,23 @@ class Provenance:
       return False
     return bool(self.root(atom).aval.shape) and self.is_weak(atom)
 
+  def is_mask(self, atom) -> bool:
+    """A boolean array converted to a float dtype (and layout changes of it): zeros and ones,
+    exact in every dtype. JAX converts a bool to the traced float32 to multiply it in
+    (``m * h``, Haiku's ``dropout``, ``h * m.astype(h.dtype)``); torch's bool tensor takes its
+    partner's dtype."""
+    if compat.is_literal(atom):
+      return False
+    root = self.root(atom)
+    return root is not atom and root.aval.dtype == np.bool_
+
   def follows_partner(self, eqn, position: int) -> bool:
     """Whether operand ``position`` of ``eqn`` takes its partner's dtype instead of promoting
-    it: a scalar always; a fill only where torch takes a scalar (``FILL_AS_SCALAR``)."""
+    it: a scalar and a mask (``is_mask``) always; a fill only where torch takes a scalar
+    (``FILL_AS_SCALAR``)."""
     atom = eqn.invars[position]
+    if self.is_mask(atom):
+      return True
     if not self.is_weak(atom):
       return False
     as_scalar = FILL_AS_SCALAR.get(eqn.primitive)

@@ -1,0 +1,67 @@
+"""A boolean mask multiplied into a 16-bit activation leaves it 16-bit, as torch's bool tensors do.
+
+JAX converts the bool to the traced float32 before the multiply; taken as a float32 tensor, it
+promoted the activation (and everything after it) to float32. Its values, zeros and ones, are
+exact in every dtype, so following the partner changes no value. An explicit
+``m.astype(jnp.float32)`` is the same eqn as ``m.astype(h.dtype)`` in a float32 trace: it follows
+too (torch would promote that one; the values are the same).
+"""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+X = jax.random.normal(jax.random.key(0), (4, 8))
+W = jax.random.normal(jax.random.key(1), (8, 8))
+MASK = jax.random.bernoulli(jax.random.key(2), 0.5, (4, 8))
+
+SPELLINGS = {
+  "mask_times_activation": lambda h, m: m * h,
+  "activation_times_mask_as_its_dtype": lambda h, m: h * m.astype(h.dtype),
+  "broadcast_mask": lambda h, m: h[..., None] * m[..., None],
+  "mask_as_float32": lambda h, m: m.astype(jnp.float32) * h,
+  "mask_added": lambda h, m: h + m,
+}
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+@pytest.mark.parametrize("device_type,dtype", [("cuda", jnp.float16), ("cpu", jnp.bfloat16)])
+def test_a_boolean_mask_keeps_the_activation_in_its_16_bit_dtype(spelling, device_type, dtype):
+  combine = SPELLINGS[spelling]
+  fun = jaxamp.autocast(lambda x, w, m: combine(x @ w, m), device_type=device_type)
+  out = jax.jit(fun)(X, W, MASK)
+  assert out.dtype == dtype
+  h = X.astype(dtype) @ W.astype(dtype)
+  np.testing.assert_array_equal(out, combine(h, MASK).astype(dtype))
+
+
+def test_a_boolean_mask_under_vmap_and_grad_keeps_the_activation_16_bit():
+  fun = jaxamp.autocast(lambda x, w, m: m * (x @ w), device_type="cuda")
+  assert jax.vmap(fun, (0, None, 0))(X, W, MASK).dtype == jnp.float16
+  grad = jax.grad(lambda w: jnp.sum(fun(X, w, MASK).astype(jnp.float32)))(W)
+  assert grad.dtype == jnp.float32
+  expected = jax.grad(lambda w: jnp.sum(MASK * (X @ w)))(W)
+  np.testing.assert_allclose(grad, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_haiku_dropout_keeps_its_input_dtype():
+  def forward(x):
+    return hk.dropout(hk.next_rng_key(), 0.5, hk.Linear(8)(x))
+
+  model = hk.transform(forward)
+  params = model.init(jax.random.key(3), X)
+  out = jax.jit(jaxamp.autocast(model.apply, device_type="cuda"))(params, jax.random.key(4), X)
+  assert out.dtype == jnp.float16
+  reference = model.apply(params, jax.random.key(4), X)
+  np.testing.assert_array_equal(out == 0, reference == 0)  # the same units dropped
+
+
+def test_an_array_of_ones_passed_in_still_promotes():
+  """A float32 array of zeros and ones is a float32 tensor in torch, not a mask."""
+  ones = MASK.astype(jnp.float32)
+  fun = jaxamp.autocast(lambda x, w, m: m * (x @ w), device_type="cuda")
+  assert fun(X, W, ones).dtype == jnp.float32
