@@ -65,8 +65,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _selects_by_mark(config: pytest.Config) -> bool:
-  """Whether the command line gives ``-m`` (``-m ""`` too: everything)."""
-  return any(arg.startswith("-m") for arg in config.invocation_params.args)
+  """Whether the run was given a mark expression: on the command line (``-m ""`` too:
+  everything) or in ``PYTEST_ADDOPTS``."""
+  given = any(arg.startswith("-m") for arg in config.invocation_params.args)
+  return given or bool(config.option.markexpr)
 
 
 def _calls_torch(function) -> bool:

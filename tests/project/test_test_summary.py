@@ -96,9 +96,10 @@ def test_a_test_marked_slow_after_first_keeps_only_its_first_case_in_the_fast_su
   assert first in fast.splitlines()
 
 
-def configured(*args: str, source=pytest.Config.ArgsSource.TESTPATHS) -> str:
-  """The mark expression ``conftest.pytest_configure`` leaves for a command line of ``args``."""
-  option = types.SimpleNamespace(markexpr="")
+def configured(*args: str, source=pytest.Config.ArgsSource.TESTPATHS, markexpr: str = "") -> str:
+  """The mark expression ``conftest.pytest_configure`` leaves for a command line of ``args``
+  (``markexpr``: the one pytest parsed, from ``PYTEST_ADDOPTS`` too)."""
+  option = types.SimpleNamespace(markexpr=markexpr)
   config = types.SimpleNamespace(
     args_source=source,
     option=option,
@@ -118,6 +119,7 @@ def test_a_mark_expression_or_named_paths_choose_what_runs():
   assert configured("-m", "") == ""  # -m "" runs everything
   assert configured("-mslow") == ""  # the command line's own expression stands
   assert configured("tests/scaler", source=pytest.Config.ArgsSource.ARGS) == ""
+  assert configured(markexpr="slow") == "slow"  # PYTEST_ADDOPTS="-m slow"
 
 
 @pytest.mark.slow  # pytest in a subprocess
