@@ -459,6 +459,13 @@ def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
   return env.region.get(env.facts.root(source)) != instance
 
 
+FLOAT32 = jnp.dtype(jnp.float32)
+# A dot of 16-bit operands with a float32 result, lowered for XLA:CPU as the float32 dot of the
+# operands widened (exact), where some 16-bit -> float32 dots have no kernel; its transposes
+# round the cotangent to 16 bits, as flash attention's backward does.
+accumulating_dot_p = compat.platform_widened_dot("jaxamp_accumulating_dot", "cpu")
+
+
 def _matmul_in_op(eqn, env: Env, ctx: Context) -> Applied:
   """A low-precision op's own products run low too, not only what enters it; one with an
   explicit ``precision=`` runs in its traced dtypes. In an op whose kernel accumulates in float32
@@ -469,9 +476,12 @@ def _matmul_in_op(eqn, env: Env, ctx: Context) -> Applied:
   if explicit_precision(eqn) and call.region.cast_to is None:
     return _bind_traced(eqn, env, op_ruling(call))
   invals = cast_inputs(call.category, eqn, env, ctx.policy, cast_to=call.region.cast_to)
-  if op_calls.accumulates(call) and eqn.primitive is prims.dot_general_p:
-    if explicit_result_type(eqn) is None:
-      return Applied([_accumulating_dot(eqn, invals)], op_ruling(call), invals)
+  if (
+    op_calls.accumulates(call)
+    and eqn.primitive is prims.dot_general_p
+    and explicit_result_type(eqn) is None
+  ):
+    return Applied([_accumulating_dot(eqn, invals)], op_ruling(call), invals)
   return _bind_in_op(eqn, env, invals)
 
 
@@ -480,13 +490,6 @@ def _accumulating_dot(eqn, invals: list) -> Any:
   params = dict(eqn.params, preferred_element_type=FLOAT32)
   dot = lambda lhs, rhs: accumulating_dot_p.bind(lhs, rhs, **params, platform_dtype=FLOAT32)
   return compat.bind_like(eqn, dot, invals)
-
-
-FLOAT32 = jnp.dtype(jnp.float32)
-# A dot of 16-bit operands with a float32 result, lowered for XLA:CPU as the float32 dot of the
-# operands widened (exact), where some 16-bit -> float32 dots have no kernel; its transposes
-# round the cotangent to 16 bits, as flash attention's backward does.
-accumulating_dot_p = compat.platform_widened_dot("jaxamp_accumulating_dot", "cpu")
 
 
 def _no_16_bit_kernel_in_op(eqn, env: Env, ctx: Context) -> Applied:
