@@ -321,6 +321,22 @@ def shard_map_axis_names(params: dict[str, Any]) -> set:
   return set(names)
 
 
+def platform_branch(eqn) -> int | None:
+  """The branch a platform-dependent ``cond`` (``lax.platform_dependent``: its
+  ``branches_platforms`` name each branch's platforms, None the default) takes when lowered for
+  the default backend; None for a ``cond`` on data."""
+  from jax._src import xla_bridge
+
+  platforms = eqn.params.get("branches_platforms")
+  if platforms is None:
+    return None
+  here = xla_bridge.canonicalize_platform(jax.default_backend())
+  for index, names in enumerate(platforms):
+    if names is not None and here in names:
+      return index
+  return platforms.index(None) if None in platforms else None
+
+
 def is_ref(value) -> bool:
   """Whether ``value`` is a mutable array reference (``jax.new_ref``), whose dtype is fixed."""
   return isinstance(typeof(value), _state_types.AbstractRef)
@@ -558,43 +574,110 @@ def platform_result_dot(name: str, platform: str) -> Any:
     (low,) = lower_as(ctx, barrier, [low], [low_aval], [low_aval])
     return [lower_convert(ctx, low, low_aval, out_aval)]
 
-  return _platform_dot(name, platform, lowered_platform_dot, round_cotangent=False)
+  return _platform_dot(name, platform, lowered_platform_dot)
 
 
 def platform_widened_dot(name: str, platform: str) -> Any:
-  """A new primitive: ``dot_general`` (its params, plus ``platform_dtype``) of 16-bit operands
-  with a wider result, lowered for ``platform`` (``"cpu"``) as the dot of the operands converted
-  to ``platform_dtype`` (float32: exact, as the products of 16-bit values are), and as the plain
-  dot elsewhere. XLA:CPU has no kernel for some bfloat16 x bfloat16 -> float32 dots.
+  """A new primitive: ``dot_general`` (its params, plus ``operand_dtype``) of its operands
+  rounded to ``operand_dtype`` (16 bits), with a wider ``preferred_element_type`` result. Lowered
+  for ``platform`` (``"cpu"``) as the dot of the rounded operands widened back (exact, as the
+  products of 16-bit values are: XLA:CPU has no kernel for some bfloat16 x bfloat16 -> float32
+  dots), elsewhere as the dot of the rounded operands.
 
-  Bilinear; its transposes round the cotangent to the other operand's dtype and are this dot
-  (16-bit operands, a wide result), as flash attention's backward gemms are; under ``vmap`` it
-  is batched as ``dot_general`` is."""
-
-  def lowered_platform_dot(ctx, lhs, rhs, *, platform_dtype, **params):
-    wide = [aval_with_dtype(aval, platform_dtype) for aval in ctx.avals_in]
-    args = [
-      lower_convert(ctx, value, aval, wide_aval)
-      for value, aval, wide_aval in zip((lhs, rhs), ctx.avals_in, wide, strict=True)
-    ]
-    return lower_as(ctx, _exported.dot_general_p, args, wide, ctx.avals_out, **params)
-
-  return _platform_dot(name, platform, lowered_platform_dot, round_cotangent=True)
-
-
-def _platform_dot(
-  name: str, platform: str, lowered_platform_dot: Callable[..., Any], round_cotangent: bool
-) -> Any:
-  """A new primitive: ``dot_general`` with a ``platform_dtype`` param, lowered for ``platform``
-  by ``lowered_platform_dot`` and as the plain dot elsewhere. Transposed by JAX's rule (the
-  cotangent rounded to the other operand's dtype first with ``round_cotangent``, its dots
-  bound as this primitive) and batched as ``dot_general``, the batched dots this primitive."""
+  An operand may be wider than ``operand_dtype`` (float32 probabilities): it is rounded inside, so
+  its cotangent is the dot's wide result, unrounded, as flash attention's backward keeps ``dP``
+  in float32; linearized, the operands are kept rounded (16-bit residuals). Bilinear; its
+  transposes are this dot, and under ``vmap`` it is batched as ``dot_general`` is, the batched
+  dots this primitive."""
   from jax.interpreters import ad, batching, mlir
 
   primitive = jex_core.Primitive(name)
+  dot_general, barrier = _exported.dot_general_p, primitives.optimization_barrier_p
 
-  def dot(lhs, rhs, *, platform_dtype, **params):
-    return _exported.dot_general_p.bind(lhs, rhs, **params)
+  def rounded(ctx, operands, operand_dtype, separately: bool) -> tuple[list, list]:
+    """The IR operands rounded to ``operand_dtype``, and their types; ``separately`` puts
+    a barrier after each rounding, which XLA:CPU would drop before a widening convert."""
+    values, avals = [], []
+    for value, aval in zip(operands, ctx.avals_in, strict=True):
+      low = aval_with_dtype(aval, operand_dtype)
+      if aval.dtype != low.dtype:
+        value = lower_convert(ctx, value, aval, low)
+        if separately:
+          (value,) = lower_as(ctx, barrier, [value], [low], [low])
+      values.append(value)
+      avals.append(low)
+    return values, avals
+
+  def lowered_dot(ctx, lhs, rhs, *, operand_dtype, **params):
+    args, avals = rounded(ctx, (lhs, rhs), operand_dtype, separately=False)
+    return lower_as(ctx, dot_general, args, avals, ctx.avals_out, **params)
+
+  def lowered_widened_dot(ctx, lhs, rhs, *, operand_dtype, **params):
+    args, avals = rounded(ctx, (lhs, rhs), operand_dtype, separately=True)
+    (out_aval,) = ctx.avals_out
+    wide = [aval_with_dtype(aval, out_aval.dtype) for aval in avals]
+    args = [lower_convert(ctx, *lowered) for lowered in zip(args, avals, wide, strict=True)]
+    return lower_as(ctx, dot_general, args, wide, ctx.avals_out, **params)
+
+  def abstract_eval(lhs, rhs, *, operand_dtype, **params):
+    low = [aval_with_dtype(aval, operand_dtype) for aval in (lhs, rhs)]
+    out, _ = dot_general.abstract_eval(*low, **params)
+    return out
+
+  def transpose(linear: int) -> Callable[..., Any]:
+    def rule(ct, lhs, rhs, *, operand_dtype, **params):
+      operands = [lhs, rhs]
+      undefined, other = operands[linear], operands[1 - linear]
+
+      def transposed(ct, other):
+        placed = [undefined, undefined]
+        placed[1 - linear] = other
+        return bilinear_transpose(dot_general, ct, placed, linear, params)
+
+      return _dots_bound_as(primitive, {"operand_dtype": operand_dtype}, transposed, [ct, other])
+
+    return rule
+
+  def batch(args, dims, *, operand_dtype, **params):
+    unbatched = lambda lhs, rhs: dot_general.bind(lhs, rhs, **params)
+    batched = jax.vmap(unbatched, tuple(dims))
+    return _dots_bound_as(primitive, {"operand_dtype": operand_dtype}, batched, args), 0
+
+  def rounded_value(value, operand_dtype):
+    if typeof(value).dtype == operand_dtype:
+      return value
+    return _exported.convert_element_type_p.bind(
+      value, new_dtype=operand_dtype, weak_type=False, sharding=None
+    )
+
+  def lhs_jvp(tangent, lhs, rhs, *, operand_dtype, **params):
+    return primitive.bind(
+      tangent, rounded_value(rhs, operand_dtype), **params, operand_dtype=operand_dtype
+    )
+
+  def rhs_jvp(tangent, lhs, rhs, *, operand_dtype, **params):
+    return primitive.bind(
+      rounded_value(lhs, operand_dtype), tangent, **params, operand_dtype=operand_dtype
+    )
+
+  primitive.def_impl(functools.partial(_dispatch.apply_primitive, primitive))
+  primitive.def_abstract_eval(abstract_eval)
+  mlir.register_lowering(primitive, lowered_dot)
+  mlir.register_lowering(primitive, lowered_widened_dot, platform=platform)
+  ad.defbilinear(primitive, transpose(0), transpose(1))
+  # Linearized against the rounded operands: the residuals are 16-bit, the tangents not rounded.
+  ad.defjvp(primitive, lhs_jvp, rhs_jvp)
+  batching.primitive_batchers[primitive] = batch
+  return primitive
+
+
+def _platform_dot(name: str, platform: str, lowered_platform_dot: Callable[..., Any]) -> Any:
+  """A new primitive: ``dot_general`` with a ``platform_dtype`` param, lowered for ``platform``
+  by ``lowered_platform_dot`` and as the plain dot elsewhere. Transposed by JAX's rule (plain
+  dots) and batched as ``dot_general``, the batched dots this primitive."""
+  from jax.interpreters import ad, batching, mlir
+
+  primitive = jex_core.Primitive(name)
 
   def lowered_dot(ctx, lhs, rhs, *, platform_dtype, **params):
     return lower_as(ctx, _exported.dot_general_p, [lhs, rhs], ctx.avals_in, ctx.avals_out, **params)
@@ -603,40 +686,16 @@ def _platform_dot(
     out, _ = _exported.dot_general_p.abstract_eval(lhs, rhs, **params)
     return out
 
-  def as_this(platform_dtype, fun: Callable[..., Any], args: Sequence[Any]) -> Any:
-    """``fun(*args)`` (one output) with its ``dot_general`` eqns bound as this primitive."""
-
-    def bind_eqn(eqn, ins):
-      if eqn.primitive is not _exported.dot_general_p:
-        return eqn.primitive.bind(*ins, **eqn.params)
-      return primitive.bind(*ins, **eqn.params, platform_dtype=platform_dtype)
-
-    closed = trace(lambda *values: [fun(*values)], [typeof(arg) for arg in args])
-    return evaluate(closed, args, bind_eqn)
-
   def transpose(linear: int) -> Callable[..., Any]:
     def rule(ct, lhs, rhs, *, platform_dtype, **params):
-      operands = (lhs, rhs)
-      if not round_cotangent:
-        return bilinear_transpose(_exported.dot_general_p, ct, operands, linear, params)
-      other = operands[1 - linear]
-      ct = _exported.convert_element_type_p.bind(
-        ct, new_dtype=typeof(other).dtype, weak_type=False, sharding=None
-      )
-      undefined = operands[linear]
-
-      def transposed(ct, other):
-        placed = [undefined, undefined]
-        placed[1 - linear] = other
-        return bilinear_transpose(_exported.dot_general_p, ct, placed, linear, params)
-
-      return as_this(platform_dtype, transposed, [ct, other])
+      return bilinear_transpose(_exported.dot_general_p, ct, (lhs, rhs), linear, params)
 
     return rule
 
   def batch(args, dims, *, platform_dtype, **params):
-    batched = jax.vmap(functools.partial(dot, platform_dtype=None, **params), tuple(dims))
-    return as_this(platform_dtype, batched, args), 0
+    unbatched = lambda lhs, rhs: _exported.dot_general_p.bind(lhs, rhs, **params)
+    batched = jax.vmap(unbatched, tuple(dims))
+    return _dots_bound_as(primitive, {"platform_dtype": platform_dtype}, batched, args), 0
 
   primitive.def_impl(functools.partial(_dispatch.apply_primitive, primitive))
   primitive.def_abstract_eval(abstract_eval)
@@ -645,6 +704,21 @@ def _platform_dot(
   ad.defbilinear(primitive, transpose(0), transpose(1))
   batching.primitive_batchers[primitive] = batch
   return primitive
+
+
+def _dots_bound_as(
+  primitive, own_params: dict, fun: Callable[..., Any], args: Sequence[Any]
+) -> Any:
+  """``fun(*args)`` (one output), its ``dot_general`` eqns bound as ``primitive`` (a dot with
+  ``own_params`` besides ``dot_general``'s)."""
+
+  def bind_eqn(eqn, ins):
+    if eqn.primitive is not _exported.dot_general_p:
+      return eqn.primitive.bind(*ins, **eqn.params)
+    return primitive.bind(*ins, **eqn.params, **own_params)
+
+  closed = trace(lambda *values: [fun(*values)], [typeof(arg) for arg in args])
+  return evaluate(closed, args, bind_eqn)
 
 
 def evaluate(closed: ClosedJaxpr, args: Sequence[Any], bind: Callable[[Any, list], Any]) -> Any:

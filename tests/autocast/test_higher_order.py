@@ -158,6 +158,30 @@ def test_cond_branch_outputs_keep_their_declared_dtypes():
   assert jaxamp.autocast(fun, device_type="cuda")(X, W).dtype == jnp.float32
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("device_type,low", [("cuda", jnp.float16), ("cpu", jnp.bfloat16)])
+def test_a_platform_dependent_cond_gives_the_dtype_of_the_branch_this_platform_takes(
+  jit, device_type, low
+):
+  """``lax.platform_dependent``'s branches are one op's implementations, not data-dependent
+  paths: its output is what the branch taken computes (here 16-bit, as the matmul's output)."""
+  fun = lambda x, w: lax.platform_dependent(
+    x @ w, tpu=lambda h: jnp.sum(h, 0), default=lambda h: h[0]
+  )
+  autocast = jaxamp.autocast(fun, device_type=device_type)
+  out = (jax.jit(autocast) if jit else autocast)(X, W)
+  assert out.dtype == low
+  assert jnp.allclose(out.astype(jnp.float32), fun(X, W), rtol=1e-2)
+
+
+@pytest.mark.parametrize("device_type,low", [("cuda", jnp.float16), ("cpu", jnp.bfloat16)])
+def test_the_diagonal_of_a_16_bit_square_matrix_is_16_bit(device_type, low):
+  """``jnp.diagonal`` of a square matrix is a platform-dependent cond (a gather, or on Mosaic a
+  masked sum, which under "cuda" runs in float32); torch's ``diagonal`` keeps its input dtype."""
+  fun = lambda x, w: jnp.diagonal(x.T @ w)
+  assert jax.jit(jaxamp.autocast(fun, device_type=device_type))(W, W).dtype == low
+
+
 def test_unknown_primitives_get_their_traced_dtypes_back():
   def fun(x, w):
     h = x @ w

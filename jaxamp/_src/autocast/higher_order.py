@@ -360,23 +360,31 @@ def _while_rule(eqn, invals, env, ctx):
 
 
 def _cond_rule(eqn, invals, env, ctx):
+  """Branches on data keep their declared output dtypes; the branches of a platform-dependent
+  cond (alternative implementations of one op, as ``jnp.diagonal``'s) give the dtypes of the one
+  the default backend takes."""
   branches = eqn.params["branches"]
   operands = invals[1:]
-  out_dtypes = declared_dtypes(branches[0].jaxpr.outvars)
   inputs = body_inputs(eqn, invals, env)
   computed, weak = inputs.computed[1:], inputs.weak[1:]  # the index is not an operand
-  new = tuple(
-    rewrite(
-      b.jaxpr,
-      b.consts,
-      body_avals(b.jaxpr.invars, operands, weak),
+
+  def rewritten(index: int, out_dtypes: tuple | None) -> compat.ClosedJaxpr:
+    branch = branches[index]
+    return rewrite(
+      branch.jaxpr,
+      branch.consts,
+      body_avals(branch.jaxpr.invars, operands, weak),
       ctx,
       out_dtypes,
-      path=sub_path(env.path, eqn, f"branch{i}"),
+      path=sub_path(env.path, eqn, f"branch{index}"),
       computed=computed,
     )[0]
-    for i, b in enumerate(branches)
-  )
+
+  out_dtypes = declared_dtypes(branches[0].jaxpr.outvars)
+  taken = compat.platform_branch(eqn)
+  if taken is not None:
+    out_dtypes = declared_dtypes(rewritten(taken, None).jaxpr.outvars)
+  new = tuple(rewritten(index, out_dtypes) for index in range(len(branches)))
   return compat.bind(eqn, invals, dict(eqn.params, branches=new))
 
 
@@ -766,7 +774,8 @@ def _eager_cond(eqn, values, evaluate: BodyEvaluator) -> list:
   branches = eqn.params["branches"]
   index = min(max(int(values[0]), 0), len(branches) - 1)
   branch = branches[index]
-  out_dtypes = declared_dtypes(branches[0].jaxpr.outvars)
+  platform_dependent = compat.platform_branch(eqn) is not None
+  out_dtypes = None if platform_dependent else declared_dtypes(branches[0].jaxpr.outvars)
   inputs = range(1, len(values))
   return evaluate(branch.jaxpr, branch.consts, values[1:], f"branch{index}", out_dtypes, inputs)
 

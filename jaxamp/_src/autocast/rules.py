@@ -460,9 +460,10 @@ def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
 
 
 FLOAT32 = jnp.dtype(jnp.float32)
-# A dot of 16-bit operands with a float32 result, lowered for XLA:CPU as the float32 dot of the
-# operands widened (exact), where some 16-bit -> float32 dots have no kernel; its transposes
-# round the cotangent to 16 bits, as flash attention's backward does.
+# A dot of operands rounded to 16 bits with a float32 result, lowered for XLA:CPU as the float32
+# dot of the rounded operands widened (exact), where some 16-bit -> float32 dots have no kernel;
+# an operand computed in float32 is rounded inside, so its cotangent stays float32, as in flash
+# attention's backward.
 accumulating_dot_p = compat.platform_widened_dot("jaxamp_accumulating_dot", "cpu")
 
 
@@ -476,20 +477,28 @@ def _matmul_in_op(eqn, env: Env, ctx: Context) -> Applied:
   if explicit_precision(eqn) and call.region.cast_to is None:
     return _bind_traced(eqn, env, op_ruling(call))
   invals = cast_inputs(call.category, eqn, env, ctx.policy, cast_to=call.region.cast_to)
+  low = {compat.typeof(value).dtype for value in invals}
   if (
     op_calls.accumulates(call)
     and eqn.primitive is prims.dot_general_p
     and explicit_result_type(eqn) is None
+    and len(low) == 1
+    and low <= set(LOW_DTYPES)
   ):
-    return Applied([_accumulating_dot(eqn, invals)], op_ruling(call), invals)
+    return _accumulating_dot(eqn, env, invals, low.pop())
   return _bind_in_op(eqn, env, invals)
 
 
-def _accumulating_dot(eqn, invals: list) -> Any:
-  """The dot of 16-bit ``invals`` with a float32 result (``accumulating_dot_p``)."""
+def _accumulating_dot(eqn, env: Env, invals: list, low: np.dtype) -> Applied:
+  """The float32 dot of ``invals`` (``accumulating_dot_p``): a float32 operand the op computed
+  itself (the probabilities) goes in unrounded, as the dot rounds it to ``low``."""
+  operands = [
+    env.read(a) if env.region.get(a) == env.call.instance and env.dtype(a) == FLOAT32 else value
+    for a, value in zip(eqn.invars, invals, strict=True)
+  ]
   params = dict(eqn.params, preferred_element_type=FLOAT32)
-  dot = lambda lhs, rhs: accumulating_dot_p.bind(lhs, rhs, **params, platform_dtype=FLOAT32)
-  return compat.bind_like(eqn, dot, invals)
+  dot = lambda lhs, rhs: accumulating_dot_p.bind(lhs, rhs, **params, operand_dtype=low)
+  return Applied([compat.bind_like(eqn, dot, operands)], op_ruling(env.call), invals)
 
 
 def _no_16_bit_kernel_in_op(eqn, env: Env, ctx: Context) -> Applied:
