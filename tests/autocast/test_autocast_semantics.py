@@ -462,6 +462,18 @@ def test_fills_like_zeros_like_follow_the_other_operand():
   assert jaxamp.autocast(fun, device_type="cuda")(X, W).dtype == jnp.float16
 
 
+@pytest.mark.parametrize("device_type,low", [("cuda", jnp.float16), ("cpu", jnp.bfloat16)])
+def test_a_fill_made_like_a_16_bit_value_is_16_bit_as_torchs_zeros_like(device_type, low):
+  """``torch.zeros_like(h)`` has ``h``'s run-time dtype; JAX's has the one ``h`` was traced in."""
+  shifted = lambda x, w: jnp.concatenate([jnp.zeros_like((x @ w)[:1]), (x @ w)[:-1]])
+  plus_one = lambda x, w: x @ w + jnp.ones_like(x @ w)
+  scaled = lambda x, w: (x @ w) * jnp.full_like(x @ w, 2.0).T.T
+  for fun in (shifted, plus_one, scaled):
+    out = jax.jit(jaxamp.autocast(fun, device_type=device_type))(X, W)
+    assert out.dtype == low
+    np.testing.assert_allclose(out.astype(jnp.float32), fun(X, W), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 def test_an_accumulator_made_with_zeros_sums_in_float32_as_a_loop_carry_does(device_type):
   # torch.zeros(shape) + a 16-bit product is float32; a fori_loop's carry keeps its dtype too.

@@ -179,6 +179,26 @@ def test_a_fill_is_an_array_of_its_dtype_as_an_accumulator_buffer_or_block():
   assert fill_roles(fun, operands) == dict.fromkeys(operands, (True, False))
 
 
+def test_a_fill_made_like_a_prototype_follows_its_partner_everywhere():
+  # torch's zeros_like / ones_like / full_like / empty_like take the prototype's run-time dtype.
+  def fun(x):
+    return (
+      jnp.zeros_like(x) + x,
+      jnp.concatenate([jnp.ones_like(x), x]),
+      lax.dynamic_update_slice(jnp.full_like(x, 2.0), x[:1], (0, 0)),
+      jnp.empty_like(x).T @ x,
+    )
+
+  operands = {"add": 0, "concatenate": 0, "dynamic_update_slice": 0, "dot_general": 0}
+  assert fill_roles(fun, operands) == dict.fromkeys(operands, (True, True))
+
+
+def test_a_fill_of_a_given_shape_is_not_made_like_a_prototype():
+  jaxpr, facts = facts_of(lambda x: jnp.zeros((4, 8), x.dtype) + x, X)
+  add = eqn_named(jaxpr, "add")
+  assert not facts.is_like(add.invars[0]) and not facts.follows_partner(add, 0)
+
+
 def test_a_broadcast_rank_0_value_follows_its_partner_everywhere():
   jaxpr, facts = facts_of(lambda x, s: x + jnp.broadcast_to(s, (4, 8)), X, jnp.float32(2.0))
   add = eqn_named(jaxpr, "add")

@@ -198,3 +198,15 @@ def test_a_module_holding_a_plain_array_runs_and_its_array_updates():
   jaxamp.autocast(lambda m, x: m(x), device_type="cpu")(counting, jnp.ones((2, 4)))
   jaxamp.autocast(counting, device_type="cpu")(jnp.ones((2, 4)))
   assert counting.calls == 2
+
+
+# --- a module closed over that writes its state ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["batch_norm", "dropout"])
+def test_a_closed_over_module_that_writes_its_state_says_to_pass_it_in(name):
+  """As under ``jax.jit``, nnx cannot write a closed-over module's Variables from the trace; the
+  error says how to write it instead."""
+  model = MODELS[name]()
+  with pytest.raises(TypeError, match=r"Pass the module in: `jaxamp.autocast\(lambda m, x"):
+    jaxamp.autocast(lambda x: model(x), device_type="cpu")(X)

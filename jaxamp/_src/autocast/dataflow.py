@@ -8,9 +8,11 @@ its body does with them (``activation_reads``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxamp._src import caches, compat
@@ -60,6 +62,15 @@ FILL_AS_SCALAR: dict[Any, Callable[[int], bool]] = {
 }
 
 
+# ``jnp.zeros_like``, ``ones_like``, ``full_like`` and ``empty_like`` make their fill here: the
+# prototype's dtype, as torch's ``*_like`` take the prototype's run-time dtype.
+_FULL_LIKE = inspect.unwrap(jax.lax.full_like).__code__
+
+
+def _made_like(eqn) -> bool:
+  return any(code is _FULL_LIKE for code, _ in compat.traceback_code_frames(eqn))
+
+
 class Provenance:
   """The facts about one jaxpr's values that the cast rules read.
 
@@ -70,6 +81,7 @@ class Provenance:
     lowered: outputs of low-precision dots and convs, and their layout changes.
     weak: vars holding a converted Python scalar or a fill (``is_weak``).
     fills: var -> the ``broadcast_in_dim`` of a literal that made it (remade in any dtype).
+    likes: fills made by ``zeros_like`` & co, in the dtype of their prototype (``is_like``).
     dims: var -> what each of its dims varies along (``Dims``), for layout changes and
       matmul outputs; any other value varies along its own dims.
     constants: var -> its value, for rank-0 invars of a body that receive a Python scalar.
@@ -82,6 +94,7 @@ class Provenance:
     self.lowered: set[Any] = set()
     self.weak: set[Any] = set()
     self.fills: dict[Any, Any] = {}
+    self.likes: set[Any] = set()
     self.dims: dict[Any, Dims] = {}
     self.constants: dict[Any, Any] = {}
 
@@ -128,8 +141,12 @@ class Provenance:
     if eqn.primitive is prims.broadcast_in_dim_p and compat.is_literal(source):
       self.fills[eqn.outvars[0]] = eqn  # zeros_like & co: a fill follows the other operand
       self.weak.update(eqn.outvars)
+      if _made_like(eqn):
+        self.likes.update(eqn.outvars)
     if eqn.primitive in LAYOUT and not compat.is_literal(source) and source in self.weak:
       self.weak.update(eqn.outvars)
+      if source in self.likes:
+        self.likes.update(eqn.outvars)
 
   def is_parameter(self, atom) -> bool:
     """Whether ``atom`` is (a layout change of) a parameter or constant: read, not computed,
@@ -173,12 +190,19 @@ class Provenance:
     root = self.root(atom)
     return root is not atom and root.aval.dtype == np.bool_
 
+  def is_like(self, atom) -> bool:
+    """A fill made by ``zeros_like``, ``ones_like``, ``full_like`` or ``empty_like`` (and layout
+    changes of it): torch's ``*_like`` take their prototype's run-time dtype, which is the
+    16-bit one where the prototype is a 16-bit activation (``jnp.concatenate([jnp.zeros_like(
+    h[:1]), h[:-1]])``, ``h + jnp.ones_like(h)``)."""
+    return not compat.is_literal(atom) and atom in self.likes
+
   def follows_partner(self, eqn, position: int) -> bool:
     """Whether operand ``position`` of ``eqn`` takes its partner's dtype instead of promoting
-    it: a scalar and a mask (``is_mask``) always; a fill only where torch takes a scalar
-    (``FILL_AS_SCALAR``)."""
+    it: a scalar, a mask (``is_mask``) and a ``*_like`` fill (``is_like``) always; another fill
+    only where torch takes a scalar (``FILL_AS_SCALAR``)."""
     atom = eqn.invars[position]
-    if self.is_mask(atom):
+    if self.is_mask(atom) or self.is_like(atom):
       return True
     if not self.is_weak(atom):
       return False
@@ -203,6 +227,7 @@ class Provenance:
         (self.activations, facts.activations),
         (self.lowered, facts.lowered),
         (self.weak, facts.weak),
+        (self.likes, facts.likes),
       ):
         theirs.update(x for x in (atom, root) if x in mine)
       for mine, theirs in (

@@ -502,7 +502,17 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
     )
     return [leaf for leaf, t in zip(out_leaves, traced, strict=True) if t]
 
-  closed = compat.trace(flat_fun, in_avals)
+  try:
+    closed = compat.trace(flat_fun, in_avals)
+  except Exception as error:
+    if not _is_nnx_closure_write(error):
+      raise
+    raise TypeError(
+      "autocast traces the function to a jaxpr, as jax.jit does, and a flax nnx module it "
+      "closes over cannot write its state (BatchNorm statistics, Dropout RNG counts) from "
+      "inside that trace. Pass the module in: `jaxamp.autocast(lambda m, x: m(x))(model, x)`, "
+      "or make it the function: `jaxamp.autocast(model)(x)`."
+    ) from error
   out_tree, static_outs = out_tree_box[0]
   is_traced = tuple(leaf is _TRACED for leaf in static_outs)
   state_outputs = _state_outputs(
@@ -512,6 +522,13 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
   if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
     _traces.put(key, result)
   return result
+
+
+def _is_nnx_closure_write(error: Exception) -> bool:
+  """Whether ``error`` is flax's ``TraceContextError``: a Variable written from a trace other
+  than its own."""
+  kind = type(error)
+  return kind.__name__ == "TraceContextError" and kind.__module__.startswith("flax")
 
 
 def custom_fwd(
