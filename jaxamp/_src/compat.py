@@ -10,6 +10,7 @@ upgrade breaks one module, loudly (``tests/project/test_compat.py`` checks each 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -145,6 +146,30 @@ def traceback_code_frames(eqn) -> tuple[tuple[Any, int], ...]:
     return ()
   codes, offsets = traceback.raw_frames()
   return tuple(zip(codes, offsets, strict=True))
+
+
+def _promotion_codes() -> frozenset:
+  """The code objects of jnp's implicit dtype promotion: ``promote_dtypes`` & co, and a jnp
+  ufunc's call (inlined, its eqns carry the call's traceback, not the promotion's)."""
+  from jax._src.numpy import ufunc_api, util
+
+  functions = [
+    util.promote_dtypes,
+    util.promote_dtypes_inexact,
+    util.promote_dtypes_numeric,
+    util.promote_dtypes_complex,
+    ufunc_api.ufunc.__call__,
+  ]
+  return frozenset(inspect.unwrap(function).__code__ for function in functions)
+
+
+PROMOTION_CODES = _promotion_codes()
+
+
+def is_implicit_promotion(eqn) -> bool:
+  """Whether a ``convert_element_type`` eqn is jnp's promotion of an operand to a common dtype
+  (``x_bf16 + y_f32``), not a conversion the caller asked for (``x.astype``)."""
+  return any(code in PROMOTION_CODES for code, _ in traceback_code_frames(eqn))
 
 
 def traceback_of(eqn):

@@ -547,3 +547,41 @@ def test_relu_backward_keeps_no_float32_copy_of_the_activation():
   jaxpr = jax.make_jaxpr(jax.grad(fun, argnums=1))(X, W)
   selects = jaxpr_utils.dtypes_of(jaxpr, "select_n")
   assert selects and all(jnp.float32 not in ins for ins, _ in selects), selects
+
+
+# --- jnp's promotion of 16-bit values, redone on autocast's dtypes -------------------------------
+
+X16 = X.astype(jnp.bfloat16)
+MEETS_A_PRODUCT = {
+  "add": lambda x, w: x @ w + x,
+  "where": lambda x, w: jnp.where(x > 0, x @ w, x),
+  "concatenate": lambda x, w: jnp.concatenate([x @ w, x]),
+  "maximum": lambda x, w: jnp.maximum(x @ w, x),
+  "rank_0_float32": lambda x, w: jnp.float32(2.0) * (x @ w),
+}
+
+
+@pytest.mark.parametrize("spelling", list(MEETS_A_PRODUCT))
+def test_a_16_bit_input_meeting_a_low_precision_product_stays_16_bit(spelling):
+  """Traced, ``x_bf16 @ w`` is float32 and jnp promotes ``x`` to float32 to meet it; under
+  autocast both are bfloat16, and torch's ``bf16 + bf16`` is bfloat16."""
+  fun = MEETS_A_PRODUCT[spelling]
+  out = jax.jit(jaxamp.autocast(fun, device_type="cpu"))(X16, W)
+  assert out.dtype == jnp.bfloat16
+  expected = fun(X16, W.astype(jnp.bfloat16))  # everything in bfloat16, as torch computes it
+  np.testing.assert_array_equal(out.astype(jnp.float32), expected.astype(jnp.float32))
+
+
+def test_a_float16_product_meeting_a_bfloat16_input_promotes_to_float32_as_in_torch():
+  out = jaxamp.autocast(lambda x, w: x @ w + x, device_type="cuda")(X16, W)
+  assert out.dtype == jnp.float32
+
+
+def test_a_16_bit_input_cast_to_float32_by_the_caller_stays_float32():
+  fun = lambda x, w: x @ w + x.astype(jnp.float32)
+  assert jaxamp.autocast(fun, device_type="cpu")(X16, W).dtype == jnp.float32
+
+
+def test_a_16_bit_input_meeting_a_float32_parameter_promotes():
+  fun = lambda x, w: x + w[0]
+  assert jaxamp.autocast(fun, device_type="cpu")(X16, W).dtype == jnp.float32

@@ -36,6 +36,9 @@ from jaxamp._src.policies.table import LOW_DTYPES, NO_16_BIT_KERNELS, Category
 prims = compat.primitives
 
 
+FLOAT32 = jnp.dtype(jnp.float32)
+
+
 class Decider(enum.Enum):
   """The rule that decided an eqn's dtypes (``explain`` reads it as data)."""
 
@@ -43,6 +46,7 @@ class Decider(enum.Enum):
   TRACED_DTYPES = "traced dtypes (unknown or dtype-sensitive primitive)"
   HIGHER_ORDER = "higher-order: body rewritten"
   WEAK_SCALAR = "native: a Python scalar follows the other operand"
+  PROMOTION = "native: jnp's promotion to the traced common dtype, redone by its consumer"
   BIAS_ADD = "lower: bias add of a low-precision dot/conv"
   EXPLICIT_PRECISION = "explicit precision=: runs in the traced dtypes"
   FP8 = "float8: operands quantized with dynamic scales"
@@ -284,14 +288,31 @@ def by_category(eqn, env: Env, ctx: Context) -> Applied:
 
 def _convert(eqn, env: Env, ctx: Context) -> Applied:
   """A Python scalar made concrete inside a jit (``jnp.where(x, y, 0.0)``, ``jnp.clip(x, 0)``):
-  the dtype it was traced to is its partner's, which autocast may change; it stays weak."""
+  the dtype it was traced to is its partner's, which autocast may change; it stays weak. jnp's
+  promotion of a 16-bit value to float32 (``x_bf16 + x @ w``, traced with a float32 product) is
+  redone by its consumer on the dtypes autocast gives (``is_implicit_promotion``)."""
   source = eqn.invars[0]
+  if _is_16_bit_promotion(eqn):
+    value = env.read(source)
+    return Applied([value], Ruling(Decider.PROMOTION), [value])
   if not env.facts.is_weak(source):
     return by_category(eqn, env, ctx)
   if eqn.params["new_dtype"] == source.aval.dtype:
     value = env.read(source)
     return Applied([value], Ruling(Decider.WEAK_SCALAR), [value])
   return by_category(eqn, env, ctx)
+
+
+def _is_16_bit_promotion(eqn) -> bool:
+  """A 16-bit value widened by jnp's promotion to the common dtype of the traced operands: the
+  operands autocast gives may have another common dtype (torch's ``bf16 + bf16`` is bf16)."""
+  source = eqn.invars[0]
+  return (
+    not compat.is_literal(source)
+    and source.aval.dtype in LOW_DTYPES
+    and eqn.params["new_dtype"] == FLOAT32
+    and compat.is_implicit_promotion(eqn)
+  )
 
 
 def _add(eqn, env: Env, ctx: Context) -> Applied:
@@ -459,7 +480,6 @@ def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
   return env.region.get(env.facts.root(source)) != instance
 
 
-FLOAT32 = jnp.dtype(jnp.float32)
 # A dot of operands rounded to 16 bits with a float32 result, lowered for XLA:CPU as the float32
 # dot of the rounded operands widened (exact), where some 16-bit -> float32 dots have no kernel;
 # an operand computed in float32 is rounded inside, so its cotangent stays float32, as in flash
