@@ -25,6 +25,8 @@ SPELLINGS = {
   "broadcast_mask": lambda h, m: h[..., None] * m[..., None],
   "mask_as_float32": lambda h, m: m.astype(jnp.float32) * h,
   "mask_added": lambda h, m: h + m,
+  "one_hot": lambda h, m: h * jax.nn.one_hot(jnp.argmax(m, -1), h.shape[-1]),
+  "mask_made_in_a_jit": lambda h, m: h * jax.jit(lambda m: m.astype(jnp.float32))(m),
 }
 
 

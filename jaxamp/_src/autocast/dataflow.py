@@ -82,6 +82,8 @@ class Provenance:
     weak: vars holding a converted Python scalar or a fill (``is_weak``).
     fills: var -> the ``broadcast_in_dim`` of a literal that made it (remade in any dtype).
     likes: fills made by ``zeros_like`` & co, in the dtype of their prototype (``is_like``).
+    masks: outputs of calls (a jit, a remat) that are boolean arrays converted to floats
+      inside (``jax.nn.one_hot``), for ``is_mask``.
     dims: var -> what each of its dims varies along (``Dims``), for layout changes and
       matmul outputs; any other value varies along its own dims.
     constants: var -> its value, for rank-0 invars of a body that receive a Python scalar.
@@ -95,6 +97,7 @@ class Provenance:
     self.weak: set[Any] = set()
     self.fills: dict[Any, Any] = {}
     self.likes: set[Any] = set()
+    self.masks: set[Any] = set()
     self.dims: dict[Any, Dims] = {}
     self.constants: dict[Any, Any] = {}
 
@@ -112,6 +115,10 @@ class Provenance:
           self.lowered.add(eqn.outvars[0])
       return
     self.computed.update(eqn.outvars)
+    body = _called_body(eqn)
+    if body is not None:
+      masks = body_mask_outputs(body)
+      self.masks.update(out for out, mask in zip(eqn.outvars, masks, strict=True) if mask)
 
   def note_matmul(self, eqn) -> None:
     """A low-precision dot or conv: its output stays low under a bias add, and its dims vary
@@ -188,7 +195,7 @@ class Provenance:
     if compat.is_literal(atom):
       return False
     root = self.root(atom)
-    return root is not atom and root.aval.dtype == np.bool_
+    return root is not atom and root.aval.dtype == np.bool_ or root in self.masks
 
   def is_like(self, atom) -> bool:
     """A fill made by ``zeros_like``, ``ones_like``, ``full_like`` or ``empty_like`` (and layout
@@ -228,6 +235,7 @@ class Provenance:
         (self.lowered, facts.lowered),
         (self.weak, facts.weak),
         (self.likes, facts.likes),
+        (self.masks, facts.masks),
       ):
         theirs.update(x for x in (atom, root) if x in mine)
       for mine, theirs in (
@@ -346,6 +354,46 @@ def _activation_inputs(eqn) -> list:
     read = body_activations(body)
     inputs.extend(atom for atom, var in zip(atoms, body.invars, strict=True) if var in read)
   return inputs
+
+
+def _called_body(eqn) -> Any | None:
+  """The one body a call eqn (a jit, closed_call, remat) runs on its inputs, giving its outputs;
+  None for other eqns."""
+  bodies = compat.sub_jaxpr_inputs(eqn)
+  if bodies is None or len(bodies) != 1 or len(bodies[0][0].outvars) != len(eqn.outvars):
+    return None
+  return bodies[0][0]
+
+
+def mask_outputs(jaxpr) -> tuple[bool, ...]:
+  """Which outputs of ``jaxpr`` are boolean arrays converted to floats (``Provenance.is_mask``),
+  through layout changes, casts and the calls it makes."""
+  masks = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive in KEEPS_PROVENANCE:
+      source = eqn.invars[0]
+      if not compat.is_literal(source) and (source in masks or source.aval.dtype == np.bool_):
+        masks.update(eqn.outvars)
+      continue
+    body = _called_body(eqn)
+    if body is not None:
+      found = body_mask_outputs(body)
+      masks.update(out for out, mask in zip(eqn.outvars, found, strict=True) if mask)
+  return tuple(not compat.is_literal(out) and out in masks for out in jaxpr.outvars)
+
+
+_body_masks = caches.weak_key_dict("dataflow.body_masks")
+
+
+def body_mask_outputs(jaxpr) -> tuple[bool, ...]:
+  """``mask_outputs`` of a jaxpr, computed once per jaxpr object."""
+  try:
+    found = _body_masks.get(jaxpr)
+  except TypeError:
+    return mask_outputs(jaxpr)
+  if found is None:
+    found = _body_masks[jaxpr] = mask_outputs(jaxpr)
+  return found
 
 
 _body_reads = caches.weak_key_dict("dataflow.body_reads")
