@@ -382,30 +382,23 @@ def mask_outputs(jaxpr) -> tuple[bool, ...]:
   return tuple(not compat.is_literal(out) and out in masks for out in jaxpr.outvars)
 
 
-_body_masks = caches.weak_key_dict("dataflow.body_masks")
+def _per_jaxpr(name: str, compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
+  """``compute`` of a jaxpr, computed once per jaxpr object while it lives (a part of one,
+  which cannot be referenced weakly, every time)."""
+  memo = caches.weak_key_dict(name)
+
+  def once(jaxpr) -> Any:
+    try:
+      found = memo.get(jaxpr)
+    except TypeError:
+      return compute(jaxpr)
+    if found is None:
+      found = memo[jaxpr] = compute(jaxpr)
+    return found
+
+  return once
 
 
-def body_mask_outputs(jaxpr) -> tuple[bool, ...]:
-  """``mask_outputs`` of a jaxpr, computed once per jaxpr object."""
-  try:
-    found = _body_masks.get(jaxpr)
-  except TypeError:
-    return mask_outputs(jaxpr)
-  if found is None:
-    found = _body_masks[jaxpr] = mask_outputs(jaxpr)
-  return found
-
-
-_body_reads = caches.weak_key_dict("dataflow.body_reads")
-
-
-def body_activations(jaxpr) -> set[Any]:
-  """``activation_reads`` of a jaxpr, computed once per jaxpr object (a part of one, which
-  cannot be referenced weakly, every time)."""
-  try:
-    read = _body_reads.get(jaxpr)
-  except TypeError:
-    return activation_reads(jaxpr)
-  if read is None:
-    read = _body_reads[jaxpr] = activation_reads(jaxpr)
-  return read
+# ``mask_outputs`` and ``activation_reads`` of a jaxpr, once per jaxpr object.
+body_mask_outputs = _per_jaxpr("dataflow.body_masks", mask_outputs)
+body_activations = _per_jaxpr("dataflow.body_reads", activation_reads)
