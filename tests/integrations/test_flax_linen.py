@@ -97,7 +97,9 @@ def expected_dtype(name, low):
   if name in ("layer_norm", "group_norm"):
     return F32 if low == jnp.float16 else jnp.dtype(low)  # cuda: float32 list; cpu: unlisted
   if name in ("lstm", "gru"):
-    return F32  # flax's carry is float32 and scan carries keep their declared dtype
+    # cuda: torch's cells are on the list, each step's h is 16-bit (the scan carry stays
+    # float32); cpu: a cell is a composition, its bfloat16 matmuls meet the float32 carry.
+    return jnp.dtype(low) if low == jnp.float16 else F32
   return jnp.dtype(low)
 
 

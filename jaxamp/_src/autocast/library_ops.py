@@ -134,6 +134,22 @@ LAZY_OPS = (
   ("equinox.nn", "AvgPool1d.__call__", "avg_pool"),
   ("equinox.nn", "AvgPool2d.__call__", "avg_pool"),
   ("equinox.nn", "AvgPool3d.__call__", "avg_pool"),
+  # Recurrent cells, one step: torch's GRUCell, LSTMCell and RNNCell (lstm_cell, gru_cell and
+  # rnn_*_cell on the CUDA list). Where a table has no row for them (CPU), their matmuls follow
+  # the primitive rule, as torch's CPU cells decompose into linear.
+  ("flax.linen", "LSTMCell.__call__", "rnn_cell"),
+  ("flax.linen", "OptimizedLSTMCell.__call__", "rnn_cell"),
+  ("flax.linen", "GRUCell.__call__", "rnn_cell"),
+  ("flax.linen", "SimpleCell.__call__", "rnn_cell"),
+  ("flax.nnx", "LSTMCell.__call__", "rnn_cell"),
+  ("flax.nnx", "OptimizedLSTMCell.__call__", "rnn_cell"),
+  ("flax.nnx", "GRUCell.__call__", "rnn_cell"),
+  ("flax.nnx", "SimpleCell.__call__", "rnn_cell"),
+  ("haiku", "LSTM.__call__", "rnn_cell"),
+  ("haiku", "GRU.__call__", "rnn_cell"),
+  ("haiku", "VanillaRNN.__call__", "rnn_cell"),
+  ("equinox.nn", "LSTMCell.__call__", "rnn_cell"),
+  ("equinox.nn", "GRUCell.__call__", "rnn_cell"),
   # Keras 3 (its JAX backend): the norm layers upcast a 16-bit input themselves, a cast a float32
   # trace does not hold.
   ("keras.layers", "BatchNormalization.call", "batch_norm"),
