@@ -166,10 +166,15 @@ def _promotion_codes() -> frozenset:
 PROMOTION_CODES = _promotion_codes()
 
 
+def traced_inside(eqn, codes: frozenset) -> bool:
+  """Whether ``eqn`` was traced inside a call of a function whose code object is in ``codes``."""
+  return any(code in codes for code, _ in traceback_code_frames(eqn))
+
+
 def is_implicit_promotion(eqn) -> bool:
   """Whether a ``convert_element_type`` eqn is jnp's promotion of an operand to a common dtype
   (``x_bf16 + y_f32``), not a conversion the caller asked for (``x.astype``)."""
-  return any(code in PROMOTION_CODES for code, _ in traceback_code_frames(eqn))
+  return traced_inside(eqn, PROMOTION_CODES)
 
 
 def traceback_of(eqn):

@@ -64,11 +64,7 @@ FILL_AS_SCALAR: dict[Any, Callable[[int], bool]] = {
 
 # ``jnp.zeros_like``, ``ones_like``, ``full_like`` and ``empty_like`` make their fill here: the
 # prototype's dtype, as torch's ``*_like`` take the prototype's run-time dtype.
-_FULL_LIKE = inspect.unwrap(jax.lax.full_like).__code__
-
-
-def _made_like(eqn) -> bool:
-  return any(code is _FULL_LIKE for code, _ in compat.traceback_code_frames(eqn))
+_FULL_LIKE = frozenset({inspect.unwrap(jax.lax.full_like).__code__})
 
 
 class Provenance:
@@ -148,7 +144,7 @@ class Provenance:
     if eqn.primitive is prims.broadcast_in_dim_p and compat.is_literal(source):
       self.fills[eqn.outvars[0]] = eqn  # zeros_like & co: a fill follows the other operand
       self.weak.update(eqn.outvars)
-      if _made_like(eqn):
+      if compat.traced_inside(eqn, _FULL_LIKE):
         self.likes.update(eqn.outvars)
     if eqn.primitive in LAYOUT and not compat.is_literal(source) and source in self.weak:
       self.weak.update(eqn.outvars)

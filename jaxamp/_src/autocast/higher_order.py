@@ -380,11 +380,15 @@ def _cond_rule(eqn, invals, env, ctx):
       computed=computed,
     )[0]
 
-  out_dtypes = declared_dtypes(branches[0].jaxpr.outvars)
   taken = compat.platform_branch(eqn)
-  if taken is not None:
-    out_dtypes = declared_dtypes(rewritten(taken, None).jaxpr.outvars)
-  new = tuple(rewritten(index, out_dtypes) for index in range(len(branches)))
+  if taken is None:
+    out_dtypes, free = declared_dtypes(branches[0].jaxpr.outvars), None
+  else:
+    free = rewritten(taken, None)  # its output dtypes are the ones every branch gives
+    out_dtypes = declared_dtypes(free.jaxpr.outvars)
+  new = tuple(
+    free if index == taken else rewritten(index, out_dtypes) for index in range(len(branches))
+  )
   return compat.bind(eqn, invals, dict(eqn.params, branches=new))
 
 

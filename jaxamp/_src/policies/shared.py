@@ -9,8 +9,9 @@ prims = compat.primitives
 # dot_general. torch's counterpart, _grouped_mm, is on none of the reference lists.
 GROUPED_MATMUL = (Row(("_grouped_mm",), Category.LOWER, primitives=(prims.ragged_dot_general_p,)),)
 
-# A recurrent cell's step (the library cells of ``library_ops.CELL_OPS``): torch's lstm_cell,
-# gru_cell and rnn_*_cell cast their input, state and weights, so h and c come out 16-bit.
+# A recurrent cell's step (the library cells ``library_ops.LAZY_OPS`` names ``rnn_cell``):
+# torch's lstm_cell, gru_cell and rnn_*_cell cast their input, state and weights, so h and c
+# come out 16-bit.
 RNN_CELL = (Row(("GRUCell", "LSTMCell", "RNNCell"), Category.LOWER, ops=("rnn_cell",)),)
 
 # jax.experimental.sparse's matmuls (BCOO/BCSR @ dense, sparse @ sparse, the sampled product a
