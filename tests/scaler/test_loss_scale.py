@@ -251,6 +251,31 @@ def test_overflow_in_one_float16_leaf_skips_every_leaf():
   assert state.found_inf and not np.any(np.asarray(updates["f32"]))
 
 
+@pytest.mark.parametrize("dtype", (jnp.float16, jnp.bfloat16))
+def test_a_16_bit_gradient_that_unscaling_overflows_skips_the_step(dtype):
+  """Below a scale of 1 unscaling multiplies: a finite 16-bit gradient can round to Inf on its
+  way back to its dtype (torch refuses to unscale float16 gradients). The step is skipped, as
+  for an Inf the backward made, and the parameters stay finite."""
+  big = float(jnp.finfo(dtype).max) / 2
+  params = {"w": jnp.ones(3, dtype)}
+  grads = {"w": jnp.array([big, 1.0, 1.0], dtype)}  # finite; big / 2**-10 is not
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(1e-3), init_scale=2.0**-10)
+  state = tx.init(params)
+  updates, state = jitted_update(tx)(grads, state, params)
+  assert state.found_inf and not np.any(np.asarray(updates["w"], np.float32))
+  unscaled, found_inf = jax.jit(jaxamp.unscale)(grads, tx.init(params))
+  assert found_inf and not np.isfinite(np.asarray(unscaled["w"][0], np.float32))
+
+
+def test_a_float32_gradient_is_checked_scaled_as_torch_checks_it():
+  """torch's check reads the scaled float32 gradients: an unscaling that overflows float32 (a
+  scale below 1) is applied, not skipped."""
+  grads = {"w": jnp.array([3e38, 1.0], jnp.float32)}
+  tx = jaxamp.dynamic_loss_scale(optax.identity(), init_scale=0.5)
+  updates, state = jitted_update(tx)(grads, tx.init(grads), grads)
+  assert not state.found_inf and np.isinf(np.asarray(updates["w"][0]))
+
+
 @pytest.mark.slow
 def test_found_inf_and_skipped_steps_report_the_last_and_all_skips():
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1))

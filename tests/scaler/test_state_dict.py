@@ -355,3 +355,17 @@ def test_flax_checkpoints_leave_axis_name_out_and_restore_the_programs():
   target = scaler_state(axis_name="batch")
   restored = serialization.from_bytes(target, saved)
   assert restored.hyperparams.axis_name == "batch" and restored.growth_factor == 3.0
+
+
+def test_flax_checkpoints_keep_the_programs_enabled_flag():
+  """As torch's ``load_state_dict``: a disabled scaler ignores an enabled scaler's checkpoint."""
+  saved = serialization.to_bytes(scaler_state(growth_factor=3.0))
+  restored = serialization.from_bytes(scaler_state(enabled=False), saved)
+  assert not restored.enabled and restored.growth_factor == 2.0
+  assert jaxamp.scaler.get_scale(restored) == 1.0
+
+
+def test_a_flax_checkpoint_of_a_disabled_scaler_is_refused_by_an_enabled_one():
+  saved = serialization.to_bytes(scaler_state(enabled=False))
+  with pytest.raises(jaxamp.scaler.EmptyStateDictError, match="disabled loss scaler"):
+    serialization.from_bytes(scaler_state(), saved)

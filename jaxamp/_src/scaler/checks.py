@@ -17,6 +17,14 @@ import numpy as np
 import optax
 
 
+class EmptyStateDictError(RuntimeError, ValueError):
+  """A scaler state from a disabled scaler loaded into an enabled one: ``load_state_dict`` of
+  ``{}``, or a flax checkpoint of a disabled scaler restored into an enabled one.
+
+  A ``RuntimeError``, as torch raises, and a ``ValueError``, as jaxamp raises for bad values.
+  """
+
+
 def check_args(
   inner: Any,
   init_scale: Any,

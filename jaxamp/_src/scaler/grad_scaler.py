@@ -22,6 +22,7 @@ from jax import lax
 
 from jaxamp._src.integrations import state_tree
 from jaxamp._src.scaler import checks, loss_scale
+from jaxamp._src.scaler.checks import EmptyStateDictError
 
 
 def _find(opt_state: Any) -> loss_scale.DynamicLossScaleState:
@@ -241,13 +242,6 @@ def _like(old: Any, value: Any, dtype: Any) -> Any:
   if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
     return jax.device_put(new, old.sharding)
   return new
-
-
-class EmptyStateDictError(RuntimeError, ValueError):
-  """``load_state_dict`` of ``{}`` into an enabled scaler.
-
-  A ``RuntimeError``, as torch raises, and a ``ValueError``, as jaxamp raises for bad values.
-  """
 
 
 def load_state_dict(opt_state: Any, state_dict: dict[str, Any]) -> Any:

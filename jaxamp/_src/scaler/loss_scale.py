@@ -78,14 +78,23 @@ def _hyperparams_to_state_dict(hp: LossScaleHyperparams) -> dict[str, Any]:
 def _hyperparams_from_state_dict(
   target: LossScaleHyperparams, state: dict[str, Any]
 ) -> LossScaleHyperparams:
-  if not state:
+  """The hyperparameters a flax checkpoint restores into ``target``, as torch's
+  ``load_state_dict``: ``enabled`` and the axis name are the program's (``target``'s); a disabled
+  target ignores the checkpoint, and an enabled one refuses a disabled scaler's checkpoint."""
+  if not state or not target.enabled:
     return target
-  return dataclasses.replace(  # the axis name comes from the target, i.e. from the program
+  if not state["enabled"]:
+    raise checks.EmptyStateDictError(
+      "the checkpoint holds the state of a disabled loss scaler (scale 1.0), restored into an "
+      'enabled one (torch: "The source state dict is empty, possibly because it was saved '
+      'from a disabled instance of GradScaler."). Restore into a target made with '
+      "`dynamic_loss_scale(..., enabled=False)`, or start the scaler afresh from `tx.init`."
+    )
+  return dataclasses.replace(
     target,
     growth_factor=float(state["growth_factor"]),
     backoff_factor=float(state["backoff_factor"]),
     growth_interval=int(state["growth_interval"]),
-    enabled=bool(state["enabled"]),
     min_scale=float(state["min_scale"]) if "min_scale" in state else target.min_scale,
   )
 
@@ -264,11 +273,6 @@ def _zero(dtype: Any) -> np.ndarray:
   return np.zeros((), dtype)
 
 
-def _tree_unscale(tree: Any, scale: jax.Array) -> Any:
-  """``g * float32(1 / float64(scale))`` in (at least) float32, cast back to each leaf's dtype."""
-  return _tree_unscale_by(tree, _unscale_factors(scale))
-
-
 def _unscale_factors(scale: jax.Array) -> jax.Array:
   """``exact_f64.unscale_factors``' ``(a, b)`` as one float32[2], computed once however many
   leaves use them.
@@ -299,8 +303,8 @@ def _opaque_identity(x: jax.Array, one: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(lax.div(bits, one), np.float32)
 
 
-def _tree_unscale_by(tree: Any, factors: jax.Array) -> Any:
-  """``g * a * b`` (``_unscale_factors``) in (at least) float32, cast back per leaf.
+def _leaf_unscaler(factors: jax.Array) -> Callable[[Any], Any]:
+  """``g -> g * a * b`` (``_unscale_factors``) in (at least) float32, cast back to ``g``'s dtype.
 
   ``a`` and ``b`` are sliced out of ``factors`` here: inside the cond's taken branch XLA slices
   them in each leaf's kernel, one parameter for both.
@@ -319,21 +323,43 @@ def _tree_unscale_by(tree: Any, factors: jax.Array) -> Any:
     unscaled = lax.mul(lax.mul(lax.convert_element_type(g, compute), a), b)
     return lax.convert_element_type(unscaled, g.dtype)
 
-  return jax.tree.map(unscale, tree)
+  return unscale
+
+
+def _tree_unscale_by(tree: Any, factors: jax.Array) -> Any:
+  """Every leaf of ``tree`` unscaled by ``factors`` (``_leaf_unscaler``)."""
+  return jax.tree.map(_leaf_unscaler(factors), tree)
+
+
+def _narrower_than_float32(g: Any) -> bool:
+  """Whether ``g`` is a floating leaf narrower than float32 (float16, bfloat16, float8)."""
+  dtype = _as_array(g).dtype
+  return jnp.issubdtype(dtype, jnp.inexact) and dtype.itemsize < 4
 
 
 def unscale_and_check(grads: Any, scale: jax.Array, axis_name: Any) -> tuple[Any, jax.Array]:
   """torch's ``_amp_foreach_non_finite_check_and_unscale_``: ``(unscaled grads, found_inf)``.
 
-  ``found_inf`` is about the *scaled* gradients, as in torch, reduced over ``axis_name``.
-  ``update`` and ``unscale`` share this, so both give the same bits.
+  ``found_inf`` is about the *scaled* gradients, as in torch (those narrower than float32: the
+  unscaled ones, ``_found_inf``), reduced over ``axis_name``. ``update`` and ``unscale`` share
+  this, so both give the same bits.
   """
-  return _tree_unscale(grads, scale), _found_inf(grads, axis_name)
+  factors = _unscale_factors(scale)
+  return _tree_unscale_by(grads, factors), _found_inf(grads, axis_name, factors)
 
 
-def _found_inf(grads: Any, axis_name: Any) -> jax.Array:
-  """Whether any gradient is Inf or NaN, on any device of ``axis_name``: one bool for the tree."""
-  found_inf = _tree_found_inf(grads)
+def _found_inf(grads: Any, axis_name: Any, factors: jax.Array) -> jax.Array:
+  """Whether any gradient is Inf or NaN, on any device of ``axis_name``: one bool for the tree.
+
+  A gradient narrower than float32 (which torch refuses to unscale) is checked unscaled: below
+  a scale of 1 its unscaling multiplies, and a finite float16 value can round to Inf on the way
+  back, which the inner optimizer would apply. A positive factor keeps an Inf or NaN what it is,
+  so the unscaled check finds everything the scaled one does. float32 and wider gradients are
+  checked scaled, as torch checks them.
+  """
+  unscale = _leaf_unscaler(factors)
+  checked = jax.tree.map(lambda g: unscale(g) if _narrower_than_float32(g) else g, grads)
+  found_inf = _tree_found_inf(checked)
   if axis_name is not None:
     found_inf = lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
   return found_inf
@@ -576,15 +602,14 @@ def dynamic_loss_scale(
     if found_inf is None and "value_fn" in extra_args:
       raise ValueError(_LINE_SEARCH_MESSAGE)
     updates = _row_major_on_cpu(updates)  # the check's and the cond's operands: one layout
-    if found_inf is None:
-      found_inf = _found_inf(updates, state.hyperparams.axis_name)
-      unscale_first = True
-    else:  # already unscaled by `unscale` (torch's unscale_ before step): used as given
-      found_inf, unscale_first = checks.check_found_inf(found_inf), False
-
     # The factors (~100 scalar integer ops) are computed before the cond: inside its branch
     # XLA fuses them into every leaf's update, which tripled the compile time at 516 leaves.
+    unscale_first = found_inf is None
     factors = _unscale_factors(state.scale) if unscale_first else None
+    if unscale_first:
+      found_inf = _found_inf(updates, state.hyperparams.axis_name, factors)
+    else:  # already unscaled by `unscale` (torch's unscale_ before step): used as given
+      found_inf = checks.check_found_inf(found_inf)
 
     def do_update(_: None) -> tuple[optax.Updates, optax.OptState]:
       # Unscaling inside the taken branch lets XLA fuse it into the inner update instead of
