@@ -78,6 +78,7 @@ def _unexported_primitives() -> dict[str, Any]:
   from jax._src.lax import control_flow, linalg
   from jax._src.lax import lax as lax_internal
   from jax._src.state import discharge
+  from jax._src.state import primitives as state_primitives
 
   return {
     "ragged_dot_general_p": lax_internal.ragged_dot_general_p,
@@ -93,6 +94,7 @@ def _unexported_primitives() -> dict[str, Any]:
     "shard_map_p": shard_map.shard_map_p,
     "composite_p": lax_internal.composite_p,
     "optimization_barrier_p": control_flow.optimization_barrier_p,
+    "ref_get_p": state_primitives.get_p,
   }
 
 
@@ -365,6 +367,21 @@ def platform_branch(eqn) -> int | None:
     if names is not None and here in names:
       return index
   return platforms.index(None) if None in platforms else None
+
+
+# flax nnx's read of a hijax Variable (``nnx.var_defaults(hijax=True)``), a primitive flax
+# defines: known by name, so that importing jaxamp imports no flax.
+_VARIABLE_READS = frozenset({"get_variable"})
+
+
+def is_whole_read(eqn) -> bool:
+  """Whether ``eqn`` reads the whole value of a reference (``ref[...]`` of a ``jax.new_ref``,
+  an nnx Variable kept as a Ref or a hijax type): its output is the referenced array itself."""
+  if len(eqn.invars) != 1 or len(eqn.outvars) != 1:
+    return False
+  if eqn.primitive is primitives.ref_get_p:
+    return eqn.outvars[0].aval.shape == getattr(eqn.invars[0].aval, "shape", None)
+  return eqn.primitive.name in _VARIABLE_READS
 
 
 def is_ref(value) -> bool:

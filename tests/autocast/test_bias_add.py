@@ -217,3 +217,26 @@ def test_a_padding_mask_over_computed_keys_of_batched_attention_promotes(device_
   x = jnp.stack([XS, XS])
   fun = jaxamp.autocast(scores, device_type=device_type)
   assert fun(x, jnp.eye(8), jnp.eye(8), jnp.zeros((2, 1, 5))).dtype == jnp.float32
+
+
+@policies
+def test_a_bias_read_from_a_ref_stays_low(device_type, low):
+  """``ref[...]`` of a ``jax.new_ref`` argument is the parameter it holds, not a computed value."""
+  weight, bias = jax.new_ref(W), jax.new_ref(B)
+  fun = jaxamp.autocast(lambda w, b, v: w[...] @ v + b[...], device_type=device_type)
+  assert fun(weight, bias, V).dtype == low
+
+
+@pytest.mark.parametrize("storage", ["ref", "hijax"])
+@policies
+def test_an_nnx_linear_with_variables_kept_as_refs_or_hijax_types_stays_low(
+  storage, device_type, low
+):
+  nnx = pytest.importorskip("flax.nnx")
+  if not hasattr(nnx, "var_defaults"):
+    pytest.skip("nnx.var_defaults is newer than this flax")
+  with nnx.var_defaults(**{storage: True}):
+    model = nnx.Linear(8, 6, rngs=nnx.Rngs(0))
+  out = jaxamp.autocast(lambda m, x: m(x), device_type=device_type)(model, XS)
+  assert out.dtype == low
+  assert jnp.allclose(out.astype(jnp.float32), model(XS), atol=0.05)

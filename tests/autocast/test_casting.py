@@ -47,6 +47,25 @@ def test_a_saturating_constant_keeps_infinities_and_nan():
   assert out[0] == np.inf and out[1] == -np.inf and np.isnan(out[2])
 
 
+def test_a_float16_constant_moved_to_bfloat16_is_exact_and_warns_nothing():
+  """bfloat16's bounds do not fit float16: the clip happens in float64 (numpy warned "overflow
+  encountered in cast", an error under ``-W error``, in the backward of float16 code)."""
+  with np.errstate(all="raise"):
+    out = casting.saturating_constant(np.array([0.0, -3.5, 1024.0], np.float16), BF16)
+  assert out.dtype == BF16 and out.tolist() == [0.0, -3.5, 1024.0]
+
+
+@pytest.mark.filterwarnings("error")
+def test_the_backward_of_float16_code_under_the_bfloat16_policy_warns_nothing():
+  import jaxamp
+
+  f = lambda w, x: jax.nn.relu(x @ w.astype(jnp.float16)).astype(jnp.float32).sum()
+  grads = jax.grad(jaxamp.autocast(f, device_type="cpu"))(
+    jnp.ones((4, 4)), jnp.ones((2, 4), jnp.float16)
+  )
+  assert grads.dtype == jnp.float32
+
+
 def test_a_constant_in_float32_is_not_clipped():
   with np.errstate(over="ignore"):
     assert casting.saturating_constant(np.float64(1e300), F32) == np.inf

@@ -88,6 +88,15 @@ def keras_layer(name: str, training: bool = False, **kwargs):
   return (lambda t, n, x: layer.stateless_call(t, n, x, **call_kwargs)[0]), (*variables, X)
 
 
+def keras_function(name: str, fun, *args):
+  """``fun(f, *args)`` of Keras's JAX backend function ``name``; None without Keras."""
+  try:
+    from keras.src.backend.jax import nn as keras_nn  # noqa: PLC0415 (see keras_layer)
+  except ImportError:
+    return None, ()
+  return (lambda *a: fun(getattr(keras_nn, name), *a)), args
+
+
 X, V = x_of(2, 4), x_of(4)
 LOGITS, LABELS = x_of(3, 5), jax.nn.one_hot(jnp.arange(3), 5)
 INT_LABELS = jnp.arange(3)
@@ -269,6 +278,26 @@ EXAMPLES = {
   ("keras.layers", "BatchNormalization.call"): keras_layer("BatchNormalization", training=True),
   ("keras.layers", "LayerNormalization.call"): keras_layer("LayerNormalization"),
   ("keras.layers", "GroupNormalization.call"): keras_layer("GroupNormalization", groups=2),
+  ("keras.layers", "RMSNormalization.call"): keras_layer("RMSNormalization"),
+  ("keras.layers", "PReLU.call"): keras_layer("PReLU"),
+  ("keras.src.backend.jax.nn", "average_pool"): keras_function(
+    "average_pool", lambda f, x: f(x, (2, 2), (2, 2), padding="same"), x_of(2, 3, 3, 4)
+  ),
+  ("keras.src.backend.jax.nn", "categorical_crossentropy"): keras_function(
+    "categorical_crossentropy", lambda f, p, y: f(y, p), jax.nn.softmax(LOGITS), LABELS
+  ),
+  ("keras.src.backend.jax.nn", "sparse_categorical_crossentropy"): keras_function(
+    "sparse_categorical_crossentropy", lambda f, p, y: f(y, p), jax.nn.softmax(LOGITS), INT_LABELS
+  ),
+  ("keras.src.backend.jax.nn", "binary_crossentropy"): keras_function(
+    "binary_crossentropy", lambda f, p, y: f(y, p), jax.nn.sigmoid(X), jnp.ones_like(X)
+  ),
+  ("keras.src.backend.jax.nn", "ctc_loss"): keras_function(
+    "ctc_loss",
+    lambda f, logits, labels: f(labels, logits, jnp.array([2, 1]), jnp.array([6, 6])),
+    x_of(2, 6, 4),
+    jnp.array([[1, 2], [3, 0]]),
+  ),
 }
 
 
@@ -404,6 +433,48 @@ def test_an_average_pool_returns_its_inputs_16_bit_dtype(name, device_type, low)
   out = jax.jit(fun)(x)
   assert out.dtype == low
   np.testing.assert_allclose(np.asarray(out, np.float32), pool(_conv(x)), rtol=1e-2)
+
+
+def _keras_average_pool(h):
+  keras = pytest.importorskip("keras")
+  return keras.layers.AveragePooling2D(3, 2, padding="same")(h)
+
+
+AVERAGE_POOLS["keras.layers.AveragePooling2D(same)"] = _keras_average_pool
+
+POOLS_2D = {  # the unbatched Equinox layers add a batch axis of their own, vmap another
+  "eqx.nn.MaxPool2d": lambda h: eqx.nn.MaxPool2d(2, 2)(h),
+  "eqx.nn.AvgPool2d": lambda h: eqx.nn.AvgPool2d(2, 2)(h),
+  "flax max_pool of one example": lambda h: nn.max_pool(h[None], (2, 2), (2, 2))[0],
+}
+POOLS_3D = {
+  "eqx.nn.MaxPool3d": lambda h: eqx.nn.MaxPool3d(2, 2)(h),
+  "eqx.nn.AvgPool3d": lambda h: eqx.nn.AvgPool3d(2, 2)(h),
+  "flax max_pool of one example": lambda h: nn.max_pool(h[None], (2, 2, 2), (2, 2, 2))[0],
+}
+
+
+def _pooled_under_cpu(pool, example_shape, batched):
+  """The dtype of ``pool`` of a bfloat16 product under "cpu", on one example or vmapped."""
+  w = x_of(example_shape[-1], example_shape[-1])
+  one = lambda x: pool(x @ w)
+  fun = jax.vmap(one) if batched else one
+  shape = (2, *example_shape) if batched else example_shape
+  return jaxamp.autocast(fun, device_type="cpu")(x_of(*shape)).dtype
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one example", "vmapped"])
+@pytest.mark.parametrize("name", sorted(POOLS_2D))
+def test_a_2d_pool_is_bfloat16_on_cpu_whatever_the_batch_axes(name, batched):
+  """torch's CPU list has only the 3-D pools: which one a pooling is goes by how many dimensions
+  its window spans, not by its operand's rank (a vmapped 2-D pool has rank 5)."""
+  assert _pooled_under_cpu(POOLS_2D[name], (3, 4, 4), batched) == BF16
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one example", "vmapped"])
+@pytest.mark.parametrize("name", sorted(POOLS_3D))
+def test_a_3d_pool_is_float32_on_cpu_whatever_the_batch_axes(name, batched):
+  assert _pooled_under_cpu(POOLS_3D[name], (3, 4, 4, 4), batched) == F32
 
 
 @pytest.mark.parametrize("device_type, low", [("cuda", F16), ("cpu", F32)])
@@ -551,3 +622,17 @@ def test_rounding_to_decimals_computes_in_float32(rounding, device_type, low):
   out = jax.jit(jaxamp.autocast(lambda x, w: rounding(x @ w, 2), device_type=device_type))(x, w)
   assert out.dtype == low
   _within_one_ulp(out, rounding(x.astype(low).astype(F32), 2), low)
+
+
+@pytest.mark.parametrize("device_type, low", [("cuda", F16), ("cpu", BF16)])
+def test_a_prelu_with_a_weakly_typed_slope_runs_in_the_low_dtype(device_type, low):
+  """``jnp.full((n,), 0.25)`` is weakly typed: JAX makes it strong with a convert to float32,
+  which inside torch's lower-precision ``prelu`` is no dtype request."""
+  prelu = eqx.nn.PReLU(jnp.full((4,), 0.25))
+  assert prelu.negative_slope.weak_type
+  fun = lambda p, x, w: p(x @ w)
+  out = jaxamp.autocast(fun, device_type=device_type)(prelu, V, x_of(4, 4) - 1.5)
+  assert out.dtype == low
+  np.testing.assert_allclose(
+    np.asarray(out, np.float32), fun(prelu, V, x_of(4, 4) - 1.5), rtol=1e-2
+  )

@@ -178,3 +178,84 @@ def test_multi_head_attention_with_fully_masked_rows_is_finite_and_close_to_floa
   ref = jax.jit(run)(weights, x)
   assert bool(jnp.all(jnp.isfinite(out)))
   np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=5e-2, atol=5e-2)
+
+
+# --- Keras's losses and layers as the torch ops they are ------------------------------------------
+
+
+def _sigmoid_classifier_loss(from_logits: bool):
+  """A Dense logit, sigmoid or not, into Keras's BinaryCrossentropy; row 0 predicts its label
+  with logit 12 (float32's probability 0.999994 rounds to 1.0 in 16 bits)."""
+  model = keras.Sequential([keras.Input((4,)), layers.Dense(1)])
+  weights = [jnp.ones((4, 1)), jnp.zeros((1,))]
+  bce = keras.losses.BinaryCrossentropy(from_logits=from_logits)
+
+  def loss_fn(weights, x, y):
+    logits = model.stateless_call(weights, [], x)[0]
+    return bce(y, logits if from_logits else jax.nn.sigmoid(logits))
+
+  x = np.array([[3.0, 3.0, 3.0, 3.0], [-1.0, 0.0, 1.0, 0.0]], np.float32)
+  y = np.array([[1.0], [0.0]], np.float32)
+  return loss_fn, (weights, x, y)
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_binary_crossentropy_runs_in_float32_under_the_cpu_list(from_logits):
+  """Keras's Loss casts its inputs to float32, a cast a float32 trace does not show; torch's CPU
+  list runs binary_cross_entropy in float32. In bfloat16, 1 - 1e-7 rounded to 1: log(0) * 0."""
+  loss_fn, args = _sigmoid_classifier_loss(from_logits)
+  fun = jaxamp.autocast(loss_fn, device_type="cpu")
+  np.testing.assert_allclose(jax.jit(fun)(*args), loss_fn(*args), rtol=1e-3)
+  grads = jax.jit(jax.grad(fun))(*args)
+  assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+def test_binary_crossentropy_from_logits_runs_in_float32_under_the_cuda_list():
+  loss_fn, args = _sigmoid_classifier_loss(from_logits=True)
+  out = jaxamp.autocast(loss_fn, device_type="cuda")(*args)
+  assert out.dtype == jnp.float32
+  np.testing.assert_allclose(out, loss_fn(*args), rtol=1e-3)
+
+
+def test_binary_crossentropy_on_probabilities_raises_under_the_cuda_list_as_torch():
+  loss_fn, args = _sigmoid_classifier_loss(from_logits=False)
+  with pytest.raises(RuntimeError, match=r"from_logits=True"):
+    jaxamp.autocast(loss_fn, device_type="cuda")(*args)
+
+
+@policies
+def test_categorical_crossentropy_on_probabilities_runs_in_float32(device_type, low):
+  """A softmax output near one: in 16 bits Keras's clip to 1 - 1e-7 is a clip to 1."""
+  model = keras.Sequential([keras.Input((4,)), layers.Dense(3, activation="softmax")])
+  weights = [jnp.eye(4, 3) * 12.0, jnp.zeros((3,))]
+  cce = keras.losses.SparseCategoricalCrossentropy()
+  loss_fn = lambda w, x, y: cce(y, model.stateless_call(w, [], x)[0])
+  x, y = np.eye(4, dtype=np.float32)[:3], np.arange(3)
+  fun = jaxamp.autocast(loss_fn, device_type=device_type)
+  np.testing.assert_allclose(fun(weights, x, y), loss_fn(weights, x, y), rtol=0.05, atol=1e-5)
+  assert all(np.all(np.isfinite(g)) for g in jax.grad(fun)(weights, x, y))
+
+
+LOW_LIST_LAYERS = {  # torch: prelu (lower precision), avg_pool2d and CPU's rms_norm (input dtype)
+  "PReLU": lambda: layers.PReLU(),
+  "AveragePooling2D(same)": lambda: layers.AveragePooling2D(3, 2, padding="same"),
+  "RMSNormalization": lambda: layers.RMSNormalization(),
+}
+
+
+@policies
+@pytest.mark.parametrize("name", list(LOW_LIST_LAYERS))
+def test_a_layer_after_a_conv_has_torchs_dtype(name, device_type, low):
+  if name == "RMSNormalization" and device_type == "cuda":
+    low = jnp.float32  # rms_norm is on torch's CUDA float32 list
+  model = keras.Sequential(
+    [keras.Input((6, 6, 3)), layers.Conv2D(4, 3, padding="same"), LOW_LIST_LAYERS[name]()]
+  )
+  trainable, non_trainable = _variables(model)
+  call = lambda t, n, x: model.stateless_call(t, n, x)[0]
+  x = RNG.standard_normal((2, 6, 6, 3)).astype(np.float32)
+  out = jaxamp.autocast(call, device_type=device_type)(trainable, non_trainable, x)
+  assert out.dtype == low
+  np.testing.assert_allclose(
+    np.asarray(out, np.float32), call(trainable, non_trainable, x), rtol=0.05, atol=0.05
+  )

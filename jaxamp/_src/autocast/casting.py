@@ -41,7 +41,8 @@ def saturating_constant(value, dtype: np.dtype) -> np.ndarray:
   value = np.asarray(value)
   if jnp.dtype(dtype) in LOW_DTYPES and jnp.issubdtype(value.dtype, jnp.floating):
     info = jnp.finfo(dtype)
-    value = np.where(np.isfinite(value), np.clip(value, float(info.min), float(info.max)), value)
+    wide = value.astype(np.float64)  # clipped there: float16 cannot hold bfloat16's bounds
+    value = np.where(np.isfinite(wide), np.clip(wide, float(info.min), float(info.max)), wide)
   return np.asarray(value, dtype)
 
 

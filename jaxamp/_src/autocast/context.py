@@ -21,6 +21,7 @@ from jaxamp._src import compat
 from jaxamp._src.autocast import casting, dataflow, op_calls, regions
 from jaxamp._src.autocast.overrides import OUTSIDE, Overrides, Scope
 from jaxamp._src.policies.policy import Policy
+from jaxamp._src.policies.table import Category
 
 # Every rule: (eqn, the Env of its jaxpr, Context) -> ``rules.Applied`` (outputs, ruling, the
 # values bound on). Inside an op call, ``env.call`` is the call.
@@ -72,6 +73,8 @@ class Context(NamedTuple):
     policy: the active policy.
     rules: the rules.
     op: the enclosing op region, whose inside runs natively.
+    op_category: the category of the enclosing op call (its variant's: a ``[logits]`` loss),
+      or None to look it up by the region's name.
     overrides: ``autocast``'s overrides by place (``overrides.Overrides``), if any.
     scope: where the evaluated jaxpr sits, as far as the overrides can tell.
     recomputed: in a custom_vjp's backward, the source sites (``regions.site_of``) of its
@@ -82,6 +85,7 @@ class Context(NamedTuple):
   policy: Policy
   rules: RuleSet
   op: regions.OpRegion | None = None
+  op_category: Category | None = None
   overrides: Overrides | None = None
   scope: Scope = OUTSIDE
   recomputed: frozenset | None = None

@@ -101,7 +101,10 @@ class Provenance:
     return self.source.get(atom, atom)
 
   def note(self, eqn) -> None:
-    """Layout changes and casts keep their input's provenance; everything else is computed."""
+    """Layout changes, casts and whole reads of a reference keep their input's provenance;
+    everything else is computed."""
+    if compat.is_whole_read(eqn):  # a parameter kept in a Ref or an nnx Variable is one
+      return
     if eqn.primitive in KEEPS_PROVENANCE:
       source = eqn.invars[0]
       if not compat.is_literal(source):
@@ -327,6 +330,8 @@ def activation_reads(jaxpr) -> set[Any]:
   roots: dict[Any, Any] = {}
   read = set()
   for eqn in jaxpr.eqns:
+    if compat.is_whole_read(eqn):  # reads a parameter, as a function argument is read
+      continue
     if eqn.primitive in KEEPS_PROVENANCE:
       if not compat.is_literal(eqn.invars[0]):
         roots[eqn.outvars[0]] = roots.get(eqn.invars[0], eqn.invars[0])

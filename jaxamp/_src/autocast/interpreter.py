@@ -68,7 +68,8 @@ def evaluate(
     marks = [_recomputing(eqn, m, ctx) for eqn, m in zip(jaxpr.eqns, marks, strict=True)]
   inside = None
   if ctx.op is not None:
-    inside = op_calls.OpCall(ctx.op, ctx.op.instance, op_calls.op_category(ctx.op, ctx.policy))
+    category = ctx.op_category or op_calls.op_category(ctx.op, ctx.policy)
+    inside = op_calls.OpCall(ctx.op, ctx.op.instance, category)
   decided = _overridden(jaxpr.eqns, marks, ctx) if inside is None else None
   policies = None
   if decided is not None:  # an override's policy, or a kept region where it turns autocast off
@@ -170,8 +171,9 @@ def _enter_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> None:
       f"`{call.region.name}` is unsafe to autocast under the {ctx.policy.device_type!r} "
       "policy, as in torch: its backward pass may produce gradients float16 cannot "
       "represent. Use the with-logits form (jaxamp.functional."
-      "binary_cross_entropy_with_logits or optax.sigmoid_binary_cross_entropy) on logits, "
-      "or call it in a jaxamp.autocast_disabled() block on float32 inputs."
+      "binary_cross_entropy_with_logits, optax.sigmoid_binary_cross_entropy, Keras's "
+      "BinaryCrossentropy(from_logits=True)) on logits, or call it in a "
+      "jaxamp.autocast_disabled() block on float32 inputs."
     )
   if call.category is Category.FLOAT32_INSIDE:
     entering = [

@@ -155,6 +155,17 @@ LAZY_OPS = (
   ("keras.layers", "BatchNormalization.call", "batch_norm"),
   ("keras.layers", "LayerNormalization.call", "layer_norm"),
   ("keras.layers", "GroupNormalization.call", "group_norm"),
+  ("keras.layers", "RMSNormalization.call", "rms_norm"),
+  ("keras.layers", "PReLU.call", "prelu"),
+  # Keras's JAX backend functions behind its pooling layers and losses (keras.ops too). Its
+  # losses take their inputs to float32 (Loss.__call__), a cast a float32 trace does not hold.
+  # binary_crossentropy is the probability form, or with from_logits=True the ``[logits]``
+  # variant (``op_calls.LOGIT_OPS``).
+  ("keras.src.backend.jax.nn", "average_pool", "avg_pool"),
+  ("keras.src.backend.jax.nn", "categorical_crossentropy", "cross_entropy"),
+  ("keras.src.backend.jax.nn", "sparse_categorical_crossentropy", "cross_entropy"),
+  ("keras.src.backend.jax.nn", "binary_crossentropy", "binary_cross_entropy"),
+  ("keras.src.backend.jax.nn", "ctc_loss", "ctc_loss"),
 )
 
 # Functions of newer jax versions than the oldest supported: recognised where jax has them.

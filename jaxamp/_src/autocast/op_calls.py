@@ -48,19 +48,83 @@ class OpCall(NamedTuple):
   category: Category
 
 
-def op_category(op: regions.OpRegion, policy: Policy, eqn=None) -> Category | None:
-  """The op's category under ``policy`` for a call starting at ``eqn``; None for a plain
+def op_category(
+  op: regions.OpRegion, policy: Policy, variant: str | None = None
+) -> Category | None:
+  """The op's category under ``policy`` (for a call of that ``variant``); None for a plain
   composition (no row, no default)."""
   if op.cast_to is not None:
     return Category.NATIVE  # custom_fwd(cast_inputs=...): cast on entry, autocast off inside
-  return policy.op_category(op.name, op.default, None if eqn is None else _variant(eqn))
+  return policy.op_category(op.name, op.default, variant)
 
 
-def _variant(eqn) -> str | None:
-  """A finer key for ops whose torch op depends on the rank: a pooling of (N, D, H, W, C)
-  values is torch's ``avg_pool3d`` (``name[3d]`` in a table)."""
-  avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
-  return "3d" if any(getattr(aval, "ndim", 0) == 5 for aval in avals) else None
+# Window reductions: a pooling's kernel, whose torch op (avg_pool2d or avg_pool3d, ...) is named
+# by how many dimensions it pools.
+WINDOW_REDUCTIONS = frozenset(
+  {
+    compat.primitives.reduce_window_sum_p,
+    compat.primitives.reduce_window_max_p,
+    compat.primitives.reduce_window_min_p,
+    compat.primitives.reduce_window_p,
+  }
+)
+
+
+def pooled_dims(eqn) -> int | None:
+  """How many dimensions the first window reduction in ``eqn`` (or its bodies) pools over: those
+  with a window or a stride above 1. Not the rank, which a batch dimension (``vmap``, Equinox's
+  unbatched layers' added axis) changes; None without a window reduction."""
+  if eqn.primitive in WINDOW_REDUCTIONS:
+    sizes = zip(eqn.params["window_dimensions"], eqn.params["window_strides"], strict=True)
+    return sum(window > 1 or stride > 1 for window, stride in sizes)
+  for body in compat.sub_jaxprs(eqn):
+    for inner in body.eqns:
+      dims = pooled_dims(inner)
+      if dims is not None:
+        return dims
+  return None
+
+
+def pooling_variant(dims: int | None) -> str | None:
+  """The table key of a pooling over ``dims`` dimensions: ``"3d"`` (torch's ``avg_pool3d``,
+  ``max_pool3d``), else None."""
+  return "3d" if dims == 3 else None
+
+
+# Inner ops that make their caller the with-logits form of a loss (Keras's binary_crossentropy
+# with from_logits=True is torch's binary_cross_entropy_with_logits): the variant ``logits``.
+LOGIT_OPS = frozenset({"log_sigmoid"})
+
+
+def _call_variant(
+  eqns, marks: Sequence[regions.Marks], start: int, op: regions.OpRegion, policy: Policy
+) -> str | None:
+  """The variant of the call of ``op`` starting at ``eqns[start]``, for an op some row lists
+  with one: that of the pooling among its eqns, or ``logits`` for a loss computed from logits;
+  None for neither."""
+  if op.name not in policy.table.ops_with_variants:
+    return None
+  for eqn, eqn_marks in zip(eqns[start:], marks[start:], strict=True):
+    if all(inner.instance != op.instance for inner in eqn_marks.ops):
+      return None
+    dims = pooled_dims(eqn)
+    if dims is not None:
+      return pooling_variant(dims)
+    if _calls_logit_op(eqn, eqn_marks):
+      return "logits"
+  return None
+
+
+def _calls_logit_op(eqn, eqn_marks: regions.Marks) -> bool:
+  """Whether ``eqn`` lies in, or its bodies (``jax.nn.log_sigmoid``'s jit) hold eqns in, one of
+  the ``LOGIT_OPS``."""
+  if any(op.name in LOGIT_OPS for op in eqn_marks.ops):
+    return True
+  return any(
+    _calls_logit_op(inner, regions.marks_of(inner))
+    for body in compat.sub_jaxprs(eqn)
+    for inner in body.eqns
+  )
 
 
 def op_calls(
@@ -92,13 +156,16 @@ def op_calls(
     if eqn_policy is not previous:
       site, previous = None, eqn_policy
     for op, at in zip(eqn_marks.ops, eqn_marks.positions, strict=True):
-      category = None if eqn_marks.kept else op_category(op, eqn_policy, eqn)
-      if category is None:
+      if eqn_marks.kept:
         continue
       moves_on = at is None or position is None or at > position
       if site == op.instance and (moves_on or _reads_any(eqn, produced)):
         call = calls[-1]
       else:
+        variant = _call_variant(eqns, marks, index, op, eqn_policy)
+        category = op_category(op, eqn_policy, variant)
+        if category is None:
+          continue
         call = OpCall(op, f"{op.instance}#{next(numbers)}", category)
         produced = set()
       site, position = op.instance, at

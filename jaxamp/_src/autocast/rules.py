@@ -248,11 +248,8 @@ def _variant(eqn) -> str | None:
       return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
   if primitive is prims.dot_general_p and all(atom.aval.ndim == 1 for atom in eqn.invars):
     return "vector"  # vector . vector: torch's dot / vdot, not mm
-  if (
-    primitive in (prims.reduce_window_sum_p, prims.reduce_window_max_p)
-    and eqn.invars[0].aval.ndim == 5
-  ):
-    return "3d"  # (N, D, H, W, C) pooling: torch's avg_pool3d / max_pool3d
+  if primitive in op_calls.WINDOW_REDUCTIONS:
+    return op_calls.pooling_variant(op_calls.pooled_dims(eqn))  # avg_pool3d, max_pool3d
   return None
 
 
@@ -273,7 +270,9 @@ def traced_dtypes(eqn, env: Env, ctx: Context) -> Applied:
 def _bind_traced(eqn, env: Env, ruling: Ruling) -> Applied:
   """Binds ``eqn`` on its inputs cast back to the dtypes they had when traced."""
   invals = [
-    env.cast(a, a.aval.dtype) if casting.is_eligible(a.aval.dtype) else env.read(a)
+    env.cast(a, a.aval.dtype)
+    if casting.is_eligible(getattr(a.aval, "dtype", None))
+    else env.read(a)
     for a in eqn.invars
   ]
   return Applied(compat.bind(eqn, invals), ruling, invals)
@@ -456,6 +455,9 @@ def _convert_in_op(eqn, env: Env, ctx: Context) -> Applied:
   identity matrix made in the input's dtype) stay in float32; the caller's explicit 16-bit
   ``dtype=`` is kept."""
   call, new_dtype = env.call, eqn.params["new_dtype"]
+  if call.category is Category.LOWER and _drops_weak_type_only(eqn):
+    value = entering_op(eqn, env, ctx)[0]  # a weakly typed slope made strong: no dtype request
+    return Applied([value], op_ruling(call), [value])
   if (
     call.category not in (Category.FLOAT32, Category.FLOAT32_INSIDE)
     or call.region.cast_to is not None
@@ -465,6 +467,13 @@ def _convert_in_op(eqn, env: Env, ctx: Context) -> Applied:
   target = new_dtype if _is_explicit_dtype(eqn, env, call.instance) else jnp.dtype(jnp.float32)
   source = eqn.invars[0]
   return Applied([env.cast(source, target)], op_ruling(call), [env.read(source)])
+
+
+def _drops_weak_type_only(eqn) -> bool:
+  """Whether a convert only makes a weakly typed value strong (``jnp.full((n,), 0.25)`` meeting
+  an array): its dtype was the target's when traced."""
+  source = eqn.invars[0]
+  return source.aval.weak_type and source.aval.dtype == eqn.params["new_dtype"]
 
 
 def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
@@ -661,7 +670,8 @@ def rewriting(body_rule: BodyRule) -> Rule:
       invals = [env.read(a) for a in eqn.invars]
       return Applied(body_rule(eqn, invals, env, ctx), Ruling(Decider.HIGHER_ORDER), invals)
     invals = entering_op(eqn, env, ctx)
-    outs = body_rule(eqn, invals, env, ctx._replace(op=env.call.region))
+    inside = ctx._replace(op=env.call.region, op_category=env.call.category)
+    outs = body_rule(eqn, invals, env, inside)
     return Applied(outs, op_ruling(env.call), invals)
 
   return rule

@@ -87,6 +87,16 @@ UPSAMPLE_IN_FLOAT32 = (Row(UPSAMPLE_OPS, Category.FLOAT32, ops=("upsample",)),)
 # products would meet log(0)'s -1e5 as -inf and give NaN.
 CTC_IN_FLOAT32 = (Row(("ctc_loss",), Category.FLOAT32, ops=("ctc_loss",)),)
 
+# Keras's binary_crossentropy is torch's binary_cross_entropy on probabilities and, called with
+# from_logits=True (its eqns inside jax.nn.log_sigmoid), binary_cross_entropy_with_logits: the
+# variant ``[logits]`` (``op_calls``). Where the probability form raises (CUDA, XPU), this row
+# keeps the logits form in float32.
+BINARY_CROSS_ENTROPY_WITH_LOGITS = Row(
+  ("binary_cross_entropy_with_logits",),
+  Category.FLOAT32,
+  ops=("binary_cross_entropy_with_logits", "binary_cross_entropy[logits]"),
+)
+
 # jax.scipy.special functions JAX writes for float32 and float64 only (``library_ops``): run as
 # traced, their float32 thresholds and series meet 16-bit values and underflow (log_ndtr gives
 # -inf, its gradient NaN). Most reject 16-bit inputs, and torch's CPU kernels of ndtr and log_ndtr

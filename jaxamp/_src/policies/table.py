@@ -188,6 +188,11 @@ class Table:
     return _index(self.rows, "ops")
 
   @functools.cached_property
+  def ops_with_variants(self) -> frozenset[str]:
+    """Op region names some row lists with a variant (``avg_pool`` for ``avg_pool[3d]``)."""
+    return frozenset(name.split("[")[0] for name in self.op_categories if "[" in name)
+
+  @functools.cached_property
   def _primitive_rows(self) -> Mapping[Any, tuple[str, ...]]:
     return {key: row.torch_ops for row in self.rows for key in row.primitives}
 
