@@ -605,11 +605,11 @@ def dynamic_loss_scale(
     # The factors (~100 scalar integer ops) are computed before the cond: inside its branch
     # XLA fuses them into every leaf's update, which tripled the compile time at 516 leaves.
     unscale_first = found_inf is None
-    factors = _unscale_factors(state.scale) if unscale_first else None
     if unscale_first:
+      factors = _unscale_factors(state.scale)
       found_inf = _found_inf(updates, state.hyperparams.axis_name, factors)
     else:  # already unscaled by `unscale` (torch's unscale_ before step): used as given
-      found_inf = checks.check_found_inf(found_inf)
+      factors, found_inf = None, checks.check_found_inf(found_inf)
 
     def do_update(_: None) -> tuple[optax.Updates, optax.OptState]:
       # Unscaling inside the taken branch lets XLA fuse it into the inner update instead of
