@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import api_util as _api_util
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import linear_util as _lu
@@ -43,6 +44,7 @@ jaxpr_as_fun = jex_core.jaxpr_as_fun
 # The internals jaxamp needs, checked by tests/project/test_compat.py.
 REQUIRED_INTERNALS = {
   "jax._src.api_util.debug_info": lambda: _api_util.debug_info,
+  "jax._src.config.trace_context": lambda: _config.trace_context,
   "jax._src.core.typeof": lambda: _core.typeof,
   "jax._src.core.eval_jaxpr": lambda: _core.eval_jaxpr,
   "jax._src.linear_util.wrap_init": lambda: _lu.wrap_init,
@@ -109,6 +111,14 @@ primitives = types.SimpleNamespace(
 def typeof(x) -> Any:
   """The abstract value (aval) of a value or tracer."""
   return _core.typeof(x)
+
+
+def trace_context() -> Any:
+  """What a trace depends on besides the function and its avals, as JAX's own trace caches key
+  it: the configuration, the axis environment (a ``vmap`` axis's size, which ``pmean`` and
+  ``lax.axis_size`` read) and the context mesh (which a bare ``PartitionSpec`` resolves
+  against). Hashable."""
+  return _config.trace_context()
 
 
 def current_trace() -> Any:

@@ -94,6 +94,34 @@ def test_a_function_called_twice_with_one_signature_is_traced_once():
   assert len(traces) == 3
 
 
+def test_a_vmapped_function_is_traced_again_for_another_axis_size():
+  # pmean divides by the vmap axis's size, read at trace time: a jaxpr traced for one batch size
+  # is wrong for another although the per-example avals are the same.
+  def f(x):
+    return lax.pmean(x, "batch") + lax.axis_size("batch")
+
+  amp = jaxamp.autocast(f, device_type="cpu")
+  for n in (4, 2, 8):
+    x = jnp.arange(float(n))
+    expected = jax.vmap(f, axis_name="batch")(x)
+    np.testing.assert_array_equal(jax.vmap(amp, axis_name="batch")(x), expected)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(amp, axis_name="batch"))(x), expected)
+
+
+def test_a_function_is_traced_again_under_another_context_mesh():
+  # A bare PartitionSpec resolves against the context mesh when traced; so does anything reading
+  # it. The mesh a trace was made under is part of its signature.
+  def f(x):
+    return x * len(jax.sharding.get_abstract_mesh().axis_names)
+
+  amp = jaxamp.autocast(f, device_type="cpu")
+  x = jnp.ones(2)
+  for names in (("data",), ("data", "model")):
+    with jax.set_mesh(jax.make_mesh((1,) * len(names), names)):
+      np.testing.assert_array_equal(amp(x), f(x))
+      np.testing.assert_array_equal(jax.jit(amp)(x), f(x))
+
+
 def test_static_arguments_of_equal_value_but_different_type_are_traced_apart():
   traces = []
 

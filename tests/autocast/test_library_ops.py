@@ -72,29 +72,32 @@ def eqx_batch_norm(x):
   return lambda x, s: jax.vmap(lambda r: norm(r, s)[0], axis_name="batch")(x), (x, state)
 
 
-def keras_layer(name: str, training: bool = False, **kwargs):
-  """A Keras 3 layer's ``stateless_call`` on X; None without Keras (the ``thirdparty`` extra)."""
+def keras_layer(name: str, training: bool = False, inputs=None, **kwargs):
+  """A Keras 3 layer's ``stateless_call`` on ``inputs`` (X); None without Keras (the
+  ``thirdparty`` extra)."""
+  inputs = X if inputs is None else inputs
   try:
     import keras  # noqa: PLC0415 (tests/conftest.py picks the JAX backend before this import)
   except ImportError:
     return None, ()
   layer = getattr(keras.layers, name)(**kwargs)
-  layer.build(X.shape)
+  layer.build(inputs.shape)
   variables = (
     [v.value for v in layer.trainable_variables],
     [v.value for v in layer.non_trainable_variables],
   )
   call_kwargs = {"training": True} if training else {}
-  return (lambda t, n, x: layer.stateless_call(t, n, x, **call_kwargs)[0]), (*variables, X)
+  return (lambda t, n, x: layer.stateless_call(t, n, x, **call_kwargs)[0]), (*variables, inputs)
 
 
-def keras_function(name: str, fun, *args):
-  """``fun(f, *args)`` of Keras's JAX backend function ``name``; None without Keras."""
+def keras_function(name: str, fun, *args, module: str = "keras.src.backend.jax.nn"):
+  """``fun(f, *args)`` of Keras's function ``name`` (of its JAX backend unless ``module``
+  says); None without Keras."""
   try:
-    from keras.src.backend.jax import nn as keras_nn  # noqa: PLC0415 (see keras_layer)
+    keras_module = importlib.import_module(module)  # see keras_layer
   except ImportError:
     return None, ()
-  return (lambda *a: fun(getattr(keras_nn, name), *a)), args
+  return (lambda *a: fun(getattr(keras_module, name), *a)), args
 
 
 X, V = x_of(2, 4), x_of(4)
@@ -280,6 +283,9 @@ EXAMPLES = {
   ("keras.layers", "GroupNormalization.call"): keras_layer("GroupNormalization", groups=2),
   ("keras.layers", "RMSNormalization.call"): keras_layer("RMSNormalization"),
   ("keras.layers", "PReLU.call"): keras_layer("PReLU"),
+  ("keras.layers", "UpSampling1D.call"): keras_layer("UpSampling1D", inputs=x_of(2, 3, 4)),
+  ("keras.layers", "UpSampling2D.call"): keras_layer("UpSampling2D", inputs=x_of(2, 3, 3, 4)),
+  ("keras.layers", "UpSampling3D.call"): keras_layer("UpSampling3D", inputs=x_of(2, 2, 2, 2, 3)),
   ("keras.src.backend.jax.nn", "average_pool"): keras_function(
     "average_pool", lambda f, x: f(x, (2, 2), (2, 2), padding="same"), x_of(2, 3, 3, 4)
   ),
@@ -291,6 +297,13 @@ EXAMPLES = {
   ),
   ("keras.src.backend.jax.nn", "binary_crossentropy"): keras_function(
     "binary_crossentropy", lambda f, p, y: f(y, p), jax.nn.sigmoid(X), jnp.ones_like(X)
+  ),
+  ("keras.losses", "binary_focal_crossentropy"): keras_function(
+    "binary_focal_crossentropy",
+    lambda f, logits, y: f(y, logits, from_logits=True),
+    X,
+    jnp.ones_like(X),
+    module="keras.losses",
   ),
   ("keras.src.backend.jax.nn", "ctc_loss"): keras_function(
     "ctc_loss",

@@ -183,12 +183,12 @@ def test_multi_head_attention_with_fully_masked_rows_is_finite_and_close_to_floa
 # --- Keras's losses and layers as the torch ops they are ------------------------------------------
 
 
-def _sigmoid_classifier_loss(from_logits: bool):
-  """A Dense logit, sigmoid or not, into Keras's BinaryCrossentropy; row 0 predicts its label
-  with logit 12 (float32's probability 0.999994 rounds to 1.0 in 16 bits)."""
+def _sigmoid_classifier_loss(from_logits: bool, loss=keras.losses.BinaryCrossentropy):
+  """A Dense logit, sigmoid or not, into a Keras binary ``loss``; row 0 predicts its label with
+  logit 12 (float32's probability 0.999994 rounds to 1.0 in 16 bits)."""
   model = keras.Sequential([keras.Input((4,)), layers.Dense(1)])
   weights = [jnp.ones((4, 1)), jnp.zeros((1,))]
-  bce = keras.losses.BinaryCrossentropy(from_logits=from_logits)
+  bce = loss(from_logits=from_logits)
 
   def loss_fn(weights, x, y):
     logits = model.stateless_call(weights, [], x)[0]
@@ -223,6 +223,22 @@ def test_binary_crossentropy_on_probabilities_raises_under_the_cuda_list_as_torc
     jaxamp.autocast(loss_fn, device_type="cuda")(*args)
 
 
+def test_binary_focal_crossentropy_from_logits_runs_in_float32_under_the_cuda_list():
+  """Keras applies the sigmoid itself, then its probability-form crossentropy: torchvision's
+  sigmoid_focal_loss, built on binary_cross_entropy_with_logits (float32 under CUDA)."""
+  loss_fn, args = _sigmoid_classifier_loss(True, keras.losses.BinaryFocalCrossentropy)
+  fun = jaxamp.autocast(loss_fn, device_type="cuda")
+  assert fun(*args).dtype == jnp.float32
+  np.testing.assert_allclose(fun(*args), loss_fn(*args), rtol=1e-3)
+  assert all(np.all(np.isfinite(g)) for g in jax.grad(fun)(*args))
+
+
+def test_binary_focal_crossentropy_on_probabilities_raises_under_the_cuda_list_as_torch():
+  loss_fn, args = _sigmoid_classifier_loss(False, keras.losses.BinaryFocalCrossentropy)
+  with pytest.raises(RuntimeError, match=r"from_logits=True"):
+    jaxamp.autocast(loss_fn, device_type="cuda")(*args)
+
+
 @policies
 def test_categorical_crossentropy_on_probabilities_runs_in_float32(device_type, low):
   """A softmax output near one: in 16 bits Keras's clip to 1 - 1e-7 is a clip to 1."""
@@ -240,14 +256,18 @@ LOW_LIST_LAYERS = {  # torch: prelu (lower precision), avg_pool2d and CPU's rms_
   "PReLU": lambda: layers.PReLU(),
   "AveragePooling2D(same)": lambda: layers.AveragePooling2D(3, 2, padding="same"),
   "RMSNormalization": lambda: layers.RMSNormalization(),
+  "UpSampling2D(nearest)": lambda: layers.UpSampling2D(2, interpolation="nearest"),
+  "UpSampling2D(bilinear)": lambda: layers.UpSampling2D(2, interpolation="bilinear"),
 }
+# On torch's CUDA float32 list: rms_norm, upsample_nearest2d and upsample_bilinear2d.
+FLOAT32_UNDER_CUDA = {"RMSNormalization", "UpSampling2D(nearest)", "UpSampling2D(bilinear)"}
 
 
 @policies
 @pytest.mark.parametrize("name", list(LOW_LIST_LAYERS))
 def test_a_layer_after_a_conv_has_torchs_dtype(name, device_type, low):
-  if name == "RMSNormalization" and device_type == "cuda":
-    low = jnp.float32  # rms_norm is on torch's CUDA float32 list
+  if name in FLOAT32_UNDER_CUDA and device_type == "cuda":
+    low = jnp.float32
   model = keras.Sequential(
     [keras.Input((6, 6, 3)), layers.Conv2D(4, 3, padding="same"), LOW_LIST_LAYERS[name]()]
   )

@@ -45,6 +45,41 @@ TWO_SHARDS = textwrap.dedent(
   """
 )
 
+# Parameters typed as sharded (an Explicit mesh, ``jax.make_mesh``'s default axis type): a skipped
+# step's -0.0 updates and its copies of the moments carry the shardings of the taken step's.
+EXPLICIT_MESH = textwrap.dedent(
+  """
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import AxisType, PartitionSpec as P
+    import jaxamp
+
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+      rng = np.random.default_rng(0)
+      # w is big enough for the skipped branch to compute its copy of the moments.
+      params = {"w": jax.device_put(jnp.asarray(rng.standard_normal((64, 128)), jnp.float32),
+                                    P("model", None)),
+                "b": jax.device_put(jnp.ones(128), P(None))}
+      grads = jax.tree.map(lambda p: 0.5 * p, params)
+      for tx in (jaxamp.dynamic_loss_scale(optax.adamw(1e-3), init_scale=1.0),
+                 jaxamp.multi_steps(jaxamp.dynamic_loss_scale(optax.adam(1e-3), init_scale=1.0),
+                                    every_k_schedule=1)):
+        step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+        state = jax.jit(tx.init)(params)
+        updates, taken = step(grads, state, params)
+        assert updates["w"].sharding.spec == P("model", None), updates["w"].sharding
+        bad = {"w": grads["w"] * jnp.inf, "b": grads["b"]}
+        updates, skipped = step(bad, taken, params)
+        assert all(np.array_equal(u, -np.zeros_like(u)) for u in jax.tree.leaves(updates))
+        assert updates["w"].sharding.spec == P("model", None), updates["w"].sharding
+        assert float(jaxamp.scaler.get_scale(skipped)) == 0.5  # backed off: the step was skipped
+        for old, new in zip(jax.tree.leaves(taken), jax.tree.leaves(skipped)):
+          if old.ndim == 2:  # the moments of w
+            assert np.array_equal(old, new) and new.sharding.spec == P("model", None)
+    print("OK")
+  """
+)
+
 SCRIPT = textwrap.dedent(
   """
     import json, traceback
@@ -249,6 +284,11 @@ MULTI_STEPS_SKIPPED = 3
 
 def test_an_inf_in_one_of_two_shards_skips_both_shards_step():
   out = cpu_devices.run_script(TWO_SHARDS, devices=2)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_params_sharded_on_an_explicit_mesh_take_and_skip_steps_keeping_their_sharding():
+  out = cpu_devices.run_script(EXPLICIT_MESH, devices=2)
   assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 

@@ -157,15 +157,21 @@ LAZY_OPS = (
   ("keras.layers", "GroupNormalization.call", "group_norm"),
   ("keras.layers", "RMSNormalization.call", "rms_norm"),
   ("keras.layers", "PReLU.call", "prelu"),
+  # torch's nn.Upsample; nearest repeats (``ops.repeat``), not ``jax.image.resize``.
+  ("keras.layers", "UpSampling1D.call", "upsample"),
+  ("keras.layers", "UpSampling2D.call", "upsample"),
+  ("keras.layers", "UpSampling3D.call", "upsample"),
   # Keras's JAX backend functions behind its pooling layers and losses (keras.ops too). Its
   # losses take their inputs to float32 (Loss.__call__), a cast a float32 trace does not hold.
   # binary_crossentropy is the probability form, or with from_logits=True the ``[logits]``
-  # variant (``op_calls.LOGIT_OPS``).
+  # variant (``op_calls.LOGIT_OPS``); so is the binary focal loss, which applies the sigmoid
+  # to logits itself (torchvision's sigmoid_focal_loss is built on the with-logits form).
   ("keras.src.backend.jax.nn", "average_pool", "avg_pool"),
   ("keras.src.backend.jax.nn", "categorical_crossentropy", "cross_entropy"),
   ("keras.src.backend.jax.nn", "sparse_categorical_crossentropy", "cross_entropy"),
   ("keras.src.backend.jax.nn", "binary_crossentropy", "binary_cross_entropy"),
   ("keras.src.backend.jax.nn", "ctc_loss", "ctc_loss"),
+  ("keras.losses", "binary_focal_crossentropy", "binary_cross_entropy"),
 )
 
 # Functions of newer jax versions than the oldest supported: recognised where jax has them.

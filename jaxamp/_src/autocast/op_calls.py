@@ -91,9 +91,12 @@ def pooling_variant(dims: int | None) -> str | None:
   return "3d" if dims == 3 else None
 
 
-# Inner ops that make their caller the with-logits form of a loss (Keras's binary_crossentropy
-# with from_logits=True is torch's binary_cross_entropy_with_logits): the variant ``logits``.
+# What makes a loss's call the with-logits form (torch's binary_cross_entropy_with_logits, the
+# variant ``logits``): eqns inside these inner ops (Keras's binary_crossentropy with
+# from_logits=True takes ``jax.nn.log_sigmoid``), or a sigmoid the loss applies to its own input
+# (Keras's binary_focal_crossentropy with from_logits=True, as torchvision's sigmoid_focal_loss).
 LOGIT_OPS = frozenset({"log_sigmoid"})
+LOGIT_PRIMITIVES = frozenset({compat.primitives.logistic_p})
 
 
 def _call_variant(
@@ -110,18 +113,18 @@ def _call_variant(
     dims = pooled_dims(eqn)
     if dims is not None:
       return pooling_variant(dims)
-    if _calls_logit_op(eqn, eqn_marks):
+    if _takes_logits(eqn, eqn_marks):
       return "logits"
   return None
 
 
-def _calls_logit_op(eqn, eqn_marks: regions.Marks) -> bool:
-  """Whether ``eqn`` lies in, or its bodies (``jax.nn.log_sigmoid``'s jit) hold eqns in, one of
-  the ``LOGIT_OPS``."""
-  if any(op.name in LOGIT_OPS for op in eqn_marks.ops):
+def _takes_logits(eqn, eqn_marks: regions.Marks) -> bool:
+  """Whether ``eqn`` is one of the ``LOGIT_PRIMITIVES`` or lies in one of the ``LOGIT_OPS``, or
+  its bodies (``jax.nn.log_sigmoid``'s jit) hold such an eqn."""
+  if eqn.primitive in LOGIT_PRIMITIVES or any(op.name in LOGIT_OPS for op in eqn_marks.ops):
     return True
   return any(
-    _calls_logit_op(inner, regions.marks_of(inner))
+    _takes_logits(inner, regions.marks_of(inner))
     for body in compat.sub_jaxprs(eqn)
     for inner in body.eqns
   )

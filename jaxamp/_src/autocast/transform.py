@@ -467,7 +467,8 @@ _TRACED = object()  # marks the outputs that come from the jaxpr
 
 
 def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
-  """``fun``'s jaxpr for this signature: traced once, reused while nothing it closes over traces."""
+  """``fun``'s jaxpr for this signature in this trace context (``compat.trace_context``): traced
+  once, reused while nothing it closes over traces."""
   try:
     key = (
       caches.key_part(fun),
@@ -475,6 +476,7 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
       dynamic,
       tuple((i, caches.key_part(leaf)) for i, leaf in static),
       in_avals,
+      compat.trace_context(),
     )
     hash(key)
   except TypeError:

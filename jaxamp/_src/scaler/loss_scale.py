@@ -367,10 +367,10 @@ def _found_inf(grads: Any, axis_name: Any, factors: jax.Array) -> jax.Array:
 
 def _no_op_update(shape: Any) -> jax.Array:
   """The update of a skipped step: -0.0, for ``param + -0.0`` is ``param`` bit for bit (``+0.0``
-  would turn a ``-0.0`` parameter into ``+0.0``). Varying over the manual axes ``shape`` varies
-  over."""
+  would turn a ``-0.0`` parameter into ``+0.0``). Sharded like ``shape`` (an Explicit mesh types
+  it) and varying over the manual axes it varies over."""
   fill = -0.0 if jnp.issubdtype(shape.dtype, jnp.inexact) else 0
-  update = lax.full(shape.shape, fill, shape.dtype)
+  update = lax.full(shape.shape, fill, shape.dtype, sharding=getattr(shape, "sharding", None))
   return _vary_like(update, shape)
 
 
@@ -423,13 +423,13 @@ _FRESH_FROM_SIZE = 4096
 
 
 def _shared_no_op_updates() -> Callable[[Any], jax.Array]:
-  """``_no_op_update`` made once per shape, dtype and varying axes, however many leaves share
-  them (a 500-leaf tree has a dozen shapes): the skipped branch's fills."""
+  """``_no_op_update`` made once per shape, dtype, sharding and varying axes, however many leaves
+  share them (a 500-leaf tree has a dozen shapes): the skipped branch's fills."""
   fills: dict[Any, jax.Array] = {}
 
   def no_op_update(like: Any) -> jax.Array:
     aval = _aval(like)
-    key = (aval.shape, aval.dtype, _varying_axes(aval))
+    key = (aval.shape, aval.dtype, getattr(aval, "sharding", None), _varying_axes(aval))
     if key not in fills:
       fills[key] = _no_op_update(aval)
     return fills[key]
