@@ -253,6 +253,39 @@ def test_an_nnx_attribute_path_runs_that_submodule_in_float32():
   assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}  # conv1, conv2, linear1
 
 
+class _NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.attn = nnx.Linear(8, 8, rngs=rngs)
+    self.mlp = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.mlp(self.attn(x))
+
+
+class _NnxStack(nnx.Module):
+  def __init__(self, rngs):
+    self.blocks = nnx.List([_NnxBlock(rngs), _NnxBlock(rngs)])
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return x
+
+
+@pytest.mark.parametrize(
+  "pattern, in_float32",
+  [("blocks/0/attn", 1), ("blocks/0", 2), ("blocks/*/mlp", 2), ("0/mlp", 1), ("attn", 2)],
+)
+def test_a_nested_nnx_attribute_path_names_the_submodules_under_it(pattern, in_float32):
+  decisions = explained(
+    lambda m, x: m(x), _NnxStack(nnx.Rngs(0)), jnp.ones((2, 8)), overrides={pattern: jnp.float32}
+  )
+  assert len(matmuls(decisions, pattern)) == in_float32
+  assert {i for _, i in matmuls(decisions, pattern)} == {(F32, F32)}
+  assert {i for _, i in matmuls(decisions, None)} == {(F16, F16)}
+  assert len(matmuls(decisions)) == 4
+
+
 @pytest.mark.slow
 def test_an_nnx_model_under_overrides_keeps_its_state_updates_and_classes():
   model = flax_nnx_mnist.CNN(rngs=nnx.Rngs(0))

@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax import lax
 from report_models import deep_model
 
@@ -109,3 +110,14 @@ def test_explain_takes_the_non_array_leaves_autocast_takes():
   fun = lambda m, x: m.linear(x).sum()
   explanation = jaxamp.explain(fun, device_type="cpu")(layer, jnp.ones(3))
   assert any(d.primitive == "dot_general" for d in explanation.decisions)
+
+
+def test_an_nnx_module_as_the_function_is_explained_like_its_autocast():
+  """``explain(model)(x)``, as ``autocast(model)(x)``: a BatchNorm in training writes its
+  statistics, which a closed-over module could not; the model itself is left as it was."""
+  model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, rngs=nnx.Rngs(0)))
+  mean = model.layers[1].mean.get_value()
+  result = jaxamp.explain(model, device_type="cuda")(jnp.ones((4, 8)))
+  assert isinstance(result, jaxamp.Explanation)
+  assert any(entry.primitive == "dot_general" for entry in result.decisions)
+  assert model.layers[1].mean.get_value() is mean

@@ -104,6 +104,15 @@ def test_low_precision_leaves_report_max_finite_exactly_in_float32(dtype):
   assert counts(stats) == (1, 1, 1, top, 5) and stats.max_finite.dtype == F32
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=str)
+def test_float8_leaves_are_counted_with_max_finite_in_float32(dtype):
+  """float8 values (float8 autocast's operands) have no implicit promotion to float32."""
+  top = float(jnp.finfo(dtype).max)
+  leaf = jnp.array([NAN, -top, 1.0], dtype)
+  stats = nonfinite_report({"w": leaf}).leaves["w"]
+  assert counts(stats) == (1, 0, 0, top, 3) and stats.max_finite.dtype == F32
+
+
 @pytest.mark.slow
 def test_float64_leaves_report_max_finite_in_float64():
   with jax.enable_x64(True):

@@ -239,7 +239,8 @@ def _no_scope(entry: Override, places: set) -> str:
   if not scopes:
     return (
       f"The override {entry.key!r} matches no scope: the function traces none (plain JAX code, "
-      "or an nnx model it closes over rather than takes as an argument). Name a part with "
+      "an nnx model it closes over rather than takes as an argument, or nnx modules that an nnx "
+      "transform inside it rebuilds, as nnx.scan over layers does). Name a part with "
       "jax.named_scope, or key the override by a module's class (overrides={nnx.Linear: "
       "jnp.float32}: what its __call__ traces)."
     )

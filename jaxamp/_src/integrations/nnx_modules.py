@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,6 +63,15 @@ def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
   return module(*args, **kwargs)
 
 
+def module_as_argument(fun: Callable, args: tuple) -> tuple[Callable, tuple]:
+  """``(fun, args)``, or for an nnx module ``fun`` (``explain(model)(x)``) ``call_module`` with the
+  module its first argument: traced as an argument, a closed-over module's state writes would
+  meet concrete Variables."""
+  if is_module(fun):
+    return call_module, (fun, *args)
+  return fun, args
+
+
 def _pure_call(
   fun: Callable,
   graphdef: Any,
@@ -86,21 +96,24 @@ def _pure_call(
 
 
 # Module instance id -> its attribute path, while ``named_calls`` is active.
-_paths: dict[int, str] = {}
+_paths: dict[int, tuple[str, ...]] = {}
+# The paths of the scoped module calls being traced, innermost last (per thread).
+_calling = threading.local()
 
 
 @contextlib.contextmanager
 def named_calls(modules: list) -> Iterator[None]:
-  """Traces each submodule's calls under a ``jax.named_scope`` of its attribute path in its
-  argument ("linear2", "blocks/0/attn"), so that ``overrides`` can name nnx modules by place.
+  """Traces each submodule's calls under ``jax.named_scope``s of its attribute path in its
+  argument (``blocks``, ``0``, ``attn``), so that ``overrides`` can name nnx modules by place
+  ("linear2", "blocks/0/attn", "blocks/*/mlp").
 
   nnx puts no module names on the name stack; the classes' ``__call__`` are wrapped for the
-  duration of the trace and restored after it (the wrapper only adds a scope)."""
+  duration of the trace and restored after it (the wrapper only adds scopes)."""
   nnx = _nnx()
   found = {}
   for path, node in nnx.iter_graph(modules):
     if isinstance(node, nnx.Module) and len(path) > 1:
-      found[id(node)] = "/".join(map(str, path[1:]))
+      found[id(node)] = tuple(map(str, path[1:]))
   wrapped = {}
   for cls in {type(m) for _, m in nnx.iter_graph(modules) if id(m) in found}:
     call = cls.__dict__.get("__call__") or cls.__call__
@@ -123,7 +136,7 @@ def named_calls(modules: list) -> Iterator[None]:
 
 def naming_calls(fun: Callable) -> Callable:
   """``fun`` with the calls of the nnx modules among its arguments traced under scopes of their
-  attribute paths (``named_calls``), for callers that pass modules as pytrees (``explain``)."""
+  attribute paths (``named_calls``)."""
 
   @functools.wraps(fun)
   def named(*args, **kwargs):
@@ -141,11 +154,25 @@ def _scoped(call: Callable) -> Callable:
     path = _paths.get(id(self))
     if path is None:
       return call(self, *args, **kwargs)
-    with jax.named_scope(path):
-      return call(self, *args, **kwargs)
+    calling = _calling.__dict__.setdefault("paths", [])
+    with contextlib.ExitStack() as scopes:
+      for name in _relative(path, calling[-1] if calling else ()):
+        scopes.enter_context(jax.named_scope(name))
+      calling.append(path)
+      try:
+        return call(self, *args, **kwargs)
+      finally:
+        calling.pop()
 
   scoped_call._jaxamp_scoped = True
   return scoped_call
+
+
+def _relative(path: tuple[str, ...], outer: tuple[str, ...]) -> tuple[str, ...]:
+  """The scopes a call of the module at ``path`` adds inside a call of the one at ``outer``: the
+  rest of its path below that module's, or all of it where it is not below (a sibling called
+  from outside its parent)."""
+  return path[len(outer) :] if path[: len(outer)] == outer else path
 
 
 def call_keeping_state(

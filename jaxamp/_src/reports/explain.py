@@ -258,6 +258,7 @@ def explain(
 
   def explained(*args, **kwargs) -> Explanation:
     decisions: list[Decision] = []
+    fun_called, args = nnx_modules.module_as_argument(fun, args)
 
     def record(path, eqn, ruling, ran_on, outs, casts, amp_policy, override):
       traced = tuple(str(a.aval.dtype) for a in eqn.invars)
@@ -289,9 +290,9 @@ def explain(
       a, k = jax.tree.unflatten(
         tree, [next(given) if array else leaf for leaf, array in zip(leaves, is_array, strict=True)]
       )
-      traced = fun
+      traced = fun_called
       if named and nnx_modules.contains_modules((a, k)):
-        traced = nnx_modules.naming_calls(fun)  # nnx submodules named by their paths
+        traced = nnx_modules.naming_calls(fun_called)  # nnx submodules named by their paths
       autocast_lib.call(traced, amp_policy, a, k, amp_overrides)
 
     with context.recording(record):

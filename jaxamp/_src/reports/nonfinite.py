@@ -43,7 +43,7 @@ class LeafStats(NamedTuple):
     posinf: the number of +Inf values, int32 scalar.
     neginf: the number of -Inf values, int32 scalar.
     max_finite: the largest magnitude among the finite values (0 when there are none): float32
-      for float16, bfloat16 and float32 leaves (exact: every 16-bit float is a float32), float64
+      for float8, float16, bfloat16 and float32 leaves (exact: each is a float32), float64
       for float64 leaves, float32 0 for integer, bool and other non-float leaves.
     size: the number of elements of the leaf (saturating at ``2**31 - 1``), int32 scalar.
 
@@ -270,9 +270,9 @@ def _leaf_stats(x: Any) -> LeafStats | None:
     nan, posinf, neginf, max_finite = _reduce_stats(x, axis=1)
     nan, posinf, neginf = (_saturating_sum(c) for c in (nan, posinf, neginf))
     max_finite = jnp.max(max_finite)
-  return LeafStats(
-    nan, posinf, neginf, max_finite.astype(jnp.promote_types(x.dtype, jnp.float32)), size
-  )
+  # float32 holds every narrower float exactly (float8 has no implicit promotion to it).
+  wide = jnp.float64 if x.dtype.itemsize > 4 else jnp.float32
+  return LeafStats(nan, posinf, neginf, max_finite.astype(wide), size)
 
 
 def _reduce_stats(x: jax.Array, axis: int) -> tuple[jax.Array, ...]:

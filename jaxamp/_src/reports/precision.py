@@ -47,6 +47,7 @@ from jaxamp._src import compat
 from jaxamp._src.autocast import context, higher_order, interpreter, rules
 from jaxamp._src.autocast import overrides as overrides_lib
 from jaxamp._src.autocast import transform as autocast_lib
+from jaxamp._src.integrations import nnx_modules
 from jaxamp._src.policies.policy import Policy
 from jaxamp._src.policies.table import LOW_DTYPES
 from jaxamp._src.reports import explain
@@ -266,7 +267,8 @@ def precision_report(
       )
     # Traced afresh (a new function is a new key of autocast's trace cache, dropped with it): a
     # helper redefined since the last call is seen.
-    traced = autocast_lib.trace(lambda *a, **k: fun(*a, **k), args, kwargs)
+    fun_called, module_args = nnx_modules.module_as_argument(fun, args)
+    traced = autocast_lib.trace(lambda *a, **k: fun_called(*a, **k), module_args, kwargs)
     closed, arrays = traced.jaxpr, traced.arrays
     run = _Run()
     _evaluate_as_written(run, closed.jaxpr, closed.consts, arrays, "")
