@@ -167,3 +167,26 @@ def test_export_with_a_symbolic_batch_dimension():
   for n in (1, 7):
     x = jnp.ones((n, 16), jnp.float32)
     assert_bitwise_equal(restored.call(VARIABLES, x), inference_fn("cpu")(VARIABLES, x))
+
+
+class _FlattenThenHeads(nn.Module):
+  """A conv net that flattens its batch (``x.reshape(x.shape[0], -1)``) and splits heads."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (3, 3))(x).reshape(x.shape[0], -1)
+    h = nn.Dense(8)(x).reshape(x.shape[0], 2, 4)
+    return jax.nn.softmax(h, axis=-1).sum(-1)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_reshapes_of_a_symbolic_batch_export(device_type):
+  model = _FlattenThenHeads()
+  variables = model.init(jax.random.key(0), jnp.ones((1, 6, 6, 3)))
+  fn = jax.jit(jaxamp.autocast(model.apply, device_type=device_type))
+  (batch,) = export.symbolic_shape("batch")
+  spec = jax.ShapeDtypeStruct((batch, 6, 6, 3), jnp.float32)
+  restored = round_trip(export.export(fn, platforms=("cpu",))(variables, spec))
+  for n in (1, 3):
+    x = jnp.asarray(np.random.default_rng(n).standard_normal((n, 6, 6, 3)), jnp.float32)
+    assert_bitwise_equal(restored.call(variables, x), fn(variables, x))

@@ -314,6 +314,30 @@ EXAMPLES = {
 }
 
 
+# Each sampler of jax.random, drawing in bfloat16 with its other parameters at their defaults.
+RANDOM_ARGS = {
+  "truncated_normal": (-1.0, 1.0),
+  "lognormal": (0.5,),
+  "generalized_normal": (1.5,),
+  "rayleigh": (1.0,),
+  "wald": (1.0,),
+  "weibull_min": (1.0, 1.5),
+  "pareto": (2.0,),
+  "double_sided_maxwell": (0.0, 1.0),
+  "triangular": (0.0, 0.5, 1.0),
+  "ball": (3,),
+  "orthogonal": (3,),
+}
+for _name in library_ops.RANDOM_SAMPLERS:
+  _shape = () if _name == "orthogonal" else (4,)
+  EXAMPLES["jax.random", _name] = (
+    lambda key, _f=getattr(jax.random, _name), _a=RANDOM_ARGS.get(_name, ()), _s=_shape: _f(
+      key, *_a, shape=_s, dtype=jnp.bfloat16
+    ),
+    (KEY,),
+  )
+
+
 def _entry_id(entry):
   return f"{entry[0]}.{entry[1]}"
 

@@ -70,3 +70,19 @@ def test_a_gamma_draw_of_a_16_bit_alpha_is_plain_jaxs_float32_draw(sampler, devi
   out = jax.jit(jaxamp.autocast(draw, device_type=device_type))(key, x, w)
   assert out.dtype == jnp.float32
   np.testing.assert_array_equal(out, draw(key, x, w))
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=str)
+@pytest.mark.parametrize(
+  "sampler",
+  [jax.random.normal, jax.random.exponential, jax.random.gumbel, jax.random.logistic],
+  ids=lambda f: f.__name__,
+)
+def test_a_draw_in_a_16_bit_dtype_is_plain_jaxs_draw(sampler, dtype, device_type):
+  """torch's samplers are factories autocast leaves alone: the draw keeps its dtype and bits
+  (the CUDA list's float32 ``log`` and ``erfinv`` would widen it)."""
+  draw = lambda key: sampler(key, (64,), dtype)
+  out = jaxamp.autocast(draw, device_type=device_type)(jax.random.key(0))
+  assert out.dtype == dtype
+  np.testing.assert_array_equal(out, draw(jax.random.key(0)))

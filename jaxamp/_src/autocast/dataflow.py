@@ -302,7 +302,9 @@ def layout_dims(eqn, dims: Dims) -> Dims:
 def _reshape_dims(in_shape, out_shape, dims: Dims, permutation) -> Dims:
   """A reshape's dims: each output dim varies along what the input dims it overlaps in the
   row-major layout vary along (a merge unites them, a split shares them)."""
-  if permutation is not None:  # a transposing reshape: every output dim may mix every input
+  if permutation is not None or not _is_static(in_shape) or not _is_static(out_shape):
+    # A transposing reshape, or one of a symbolic size (jax.export's "b, 8"), whose strides
+    # cannot be ordered: every output dim may mix every input dim.
     everything = frozenset().union(*dims)
     return tuple(everything if size != 1 else NOWHERE for size in out_shape)
   in_spans, out_spans = _stride_spans(in_shape), _stride_spans(out_shape)
@@ -312,6 +314,10 @@ def _reshape_dims(in_shape, out_shape, dims: Dims, permutation) -> Dims:
     )
     for lo, hi in out_spans
   )
+
+
+def _is_static(shape) -> bool:
+  return all(isinstance(size, int | np.integer) for size in shape)
 
 
 def _stride_spans(shape) -> list[tuple[int, int]]:

@@ -14,6 +14,29 @@ the first trace after they are imported, so registering their layers imports non
 
 _LAX_NUMPY = "jax._src.numpy.lax_numpy"  # the pad modes jnp.pad dispatches to are private
 
+# jax.random's samplers taking a ``dtype`` (the gamma family excepted: ``rules``).
+RANDOM_SAMPLERS = (
+  "normal",
+  "truncated_normal",
+  "uniform",
+  "exponential",
+  "gumbel",
+  "laplace",
+  "logistic",
+  "cauchy",
+  "lognormal",
+  "generalized_normal",
+  "rayleigh",
+  "wald",
+  "weibull_min",
+  "pareto",
+  "maxwell",
+  "double_sided_maxwell",
+  "triangular",
+  "ball",
+  "orthogonal",
+)
+
 EAGER_OPS = (
   # jax.nn
   ("jax.nn", "softmax", "softmax"),
@@ -58,6 +81,7 @@ EAGER_OPS = (
   ("jax.numpy", "nanstd", "std"),
   ("jax.numpy", "cumsum", "cumsum"),
   ("jax.numpy", "cumprod", "cumprod"),
+  *(("jax.random", name, "random_draw") for name in RANDOM_SAMPLERS),
   ("jax.numpy", "quantile", "quantile"),
   ("jax.numpy", "nanquantile", "quantile"),
   ("jax.numpy", "round", "round"),  # upcasts float16 itself: a cast a float32 trace lacks

@@ -230,6 +230,7 @@ ROWS = (
   Row(("bilinear",), N, ops=("bilinear",)),
   *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
   *shared.DATA_MOVEMENT,
+  *shared.RANDOM_DRAWS,
   *shared.ROUND_IN_FLOAT32,
   # --- promote to the widest input type -------------------------------------------------------
   Row(("cat", "stack"), P, primitives=(prims.concatenate_p,)),

@@ -123,6 +123,18 @@ SPECIAL_FUNCTIONS_IN_FLOAT32 = (
 # torch's kernel and jnp.round's own float16 path compute in float32.
 ROUND_IN_FLOAT32 = (Row(("round",), Category.FLOAT32_INSIDE, ops=("round",)),)
 
+# Random draws: torch's samplers (randn, normal_, uniform_, ...) are factories autocast leaves
+# alone. A draw made in a 16-bit dtype (``jax.random.normal(key, shape, jnp.bfloat16)``) samples
+# in it, bit for bit as plain JAX; the CUDA list's float32 ``log`` and ``erfinv`` inside its
+# transform widened it and changed its values. The gamma family is left to its own rule.
+RANDOM_DRAWS = (
+  Row(
+    ("normal", "randn", "rand", "uniform", "exponential", "cauchy", "log_normal"),
+    Category.NATIVE,
+    ops=("random_draw",),
+  ),
+)
+
 # Ops that select or move values, which torch returns in their input's dtype whatever JAX computes
 # them with. lax.conv_general_dilated_patches (torch's unfold, im2col) convolves with a one-hot
 # kernel made in the traced dtype: exact in float32, it returns the input's dtype. jnp.median is

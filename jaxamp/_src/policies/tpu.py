@@ -138,6 +138,7 @@ ROWS = (
   Row((shared.WINDOW_SUM,), F_IN, ops=("window_sum",)),
   *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
   *shared.DATA_MOVEMENT,
+  *shared.RANDOM_DRAWS,
   *shared.ROUND_IN_FLOAT32,
   Row(shared.UPSAMPLE_OPS, F_IN, ops=("upsample",)),
   # --- unlisted single kernels: they run in their inputs' dtype -------------------------------
