@@ -328,14 +328,16 @@ RANDOM_ARGS = {
   "ball": (3,),
   "orthogonal": (3,),
 }
-for _name in library_ops.RANDOM_SAMPLERS:
-  _shape = () if _name == "orthogonal" else (4,)
-  EXAMPLES["jax.random", _name] = (
-    lambda key, _f=getattr(jax.random, _name), _a=RANDOM_ARGS.get(_name, ()), _s=_shape: _f(
-      key, *_a, shape=_s, dtype=jnp.bfloat16
-    ),
-    (KEY,),
-  )
+
+
+def random_draw(name: str):
+  """jax.random's sampler ``name`` drawing in bfloat16, and its arguments."""
+  sampler, args = getattr(jax.random, name), RANDOM_ARGS.get(name, ())
+  shape = () if name == "orthogonal" else (4,)
+  return (lambda key: sampler(key, *args, shape=shape, dtype=jnp.bfloat16)), (KEY,)
+
+
+EXAMPLES.update({("jax.random", name): random_draw(name) for name in library_ops.RANDOM_SAMPLERS})
 
 
 def _entry_id(entry):
