@@ -97,6 +97,7 @@ def _unexported_primitives() -> dict[str, Any]:
     "composite_p": lax_internal.composite_p,
     "optimization_barrier_p": control_flow.optimization_barrier_p,
     "ref_get_p": state_primitives.get_p,
+    "pvary_p": _core.pvary_p,  # shard_map's cast of a replicated value to varying
   }
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
 
@@ -240,3 +241,32 @@ def test_an_nnx_linear_with_variables_kept_as_refs_or_hijax_types_stays_low(
   out = jaxamp.autocast(lambda m, x: m(x), device_type=device_type)(model, XS)
   assert out.dtype == low
   assert jnp.allclose(out.astype(jnp.float32), model(XS), atol=0.05)
+
+
+# --- inside shard_map: check_vma casts a replicated bias or fill to varying (pvary) -------------
+
+
+def _data_parallel(fun, in_specs):
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  return jax.shard_map(fun, mesh=mesh, in_specs=in_specs, out_specs=P("data"))
+
+
+@pytest.mark.parametrize("nesting", ["autocast(shard_map)", "shard_map(autocast)"])
+def test_a_replicated_bias_added_inside_shard_map_stays_16_bit(nesting):
+  linear = lambda w, b, x: x @ w + b
+  specs = (P(), P(), P("data"))
+  if nesting == "autocast(shard_map)":
+    fun = jaxamp.autocast(_data_parallel(linear, specs), device_type="cpu")
+  else:
+    fun = _data_parallel(jaxamp.autocast(linear, device_type="cpu"), specs)
+  assert fun(jnp.ones((8, 3)), jnp.ones(3), jnp.ones((4, 8))).dtype == jnp.bfloat16
+
+
+def test_a_replicated_masks_fill_inside_shard_map_is_the_16_bit_minimum():
+  def scores(q, mask):
+    s = jnp.einsum("bqd,bkd->bqk", q, q)
+    return jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+
+  fun = jaxamp.autocast(_data_parallel(scores, (P("data"), P())), device_type="cuda")
+  out = fun(jnp.ones((2, 4, 8)), jnp.tril(jnp.ones((4, 4), bool)))
+  assert out.dtype == jnp.float16 and float(out.min()) == float(jnp.finfo(jnp.float16).min)

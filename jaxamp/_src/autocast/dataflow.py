@@ -20,9 +20,17 @@ from jaxamp._src import caches, compat
 prims = compat.primitives
 
 # Primitives that move or copy a value without computing: what comes out has the provenance of
-# what went in (a parameter stays a parameter, a dot's output stays a dot's output).
+# what went in (a parameter stays a parameter, a dot's output stays a dot's output). ``pvary``
+# only types a replicated value as varying over ``shard_map``'s manual axes (``check_vma``).
 LAYOUT = frozenset(
-  {prims.broadcast_in_dim_p, prims.reshape_p, prims.squeeze_p, prims.transpose_p, prims.copy_p}
+  {
+    prims.broadcast_in_dim_p,
+    prims.reshape_p,
+    prims.squeeze_p,
+    prims.transpose_p,
+    prims.copy_p,
+    prims.pvary_p,
+  }
 )
 # ... and casts, which keep where a value comes from too (a cast parameter is a parameter).
 KEEPS_PROVENANCE = LAYOUT | {prims.convert_element_type_p}
