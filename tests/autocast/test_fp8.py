@@ -243,6 +243,30 @@ def test_an_empty_operand_gives_an_empty_product_and_gradient():
   assert gw.shape == w.shape and not np.asarray(gw).any()
 
 
+@pytest.mark.parametrize(
+  "product",
+  [lambda x: jnp.dot(x, 2.0), lambda x: jnp.dot(2.0, x)],
+  ids=["dot(x, 2.0)", "dot(2.0, x)"],
+)
+def test_a_product_with_a_scalar_literal_runs(product):
+  """The scalar is a typed Python scalar in the jaxpr, not an array."""
+  out = fp8_autocast(product)(X)
+  np.testing.assert_allclose(np.asarray(out, np.float32), product(X), rtol=FORWARD_RTOL)
+
+
+def test_a_bfloat16_override_runs_its_place_without_float8():
+  """The override's dtype is its matmuls' too, so a second derivative through them works."""
+
+  def loss(w):
+    with jax.named_scope("penalty"):
+      return jnp.sum((X @ w).astype(F32) ** 2)
+
+  f = jaxamp.autocast(loss, **FP8, overrides={"penalty": jnp.bfloat16})
+  converted = float_dtypes_of(jax.make_jaxpr(f)(PARAMS["w1"]), "convert_element_type")
+  assert jnp.dtype(jnp.float8_e4m3fn) not in converted
+  assert bool(jnp.all(jnp.isfinite(jax.hessian(f)(PARAMS["w1"][:, :2]))))
+
+
 @pytest.mark.parametrize("tiny", [1e-35, 1e-36])
 @pytest.mark.slow
 def test_a_tiny_gradient_keeps_its_values(tiny):

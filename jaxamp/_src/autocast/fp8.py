@@ -114,6 +114,10 @@ def bind(
   """``eqn`` (a matmul) on ``values`` (float32, float16 or bfloat16) with float8 operands and an
   ``out_dtype`` result, its incoming gradient quantized to ``gradient_dtype``, through a
   ``jax.custom_vjp`` cached per signature."""
+  # A scalar operand read from the jaxpr (``jnp.dot(x, 2.0)``) is a typed Python scalar.
+  values = [
+    v if isinstance(v, jax.Array) else jnp.asarray(v, compat.typeof(v).dtype) for v in values
+  ]
   params = dict(eqn.params, preferred_element_type=jnp.dtype(out_dtype))
   dtypes = tuple(jnp.dtype(compat.typeof(v).dtype) for v in values)
   gradient_dtype = jnp.dtype(gradient_dtype)

@@ -179,7 +179,8 @@ def _entry(key: Any, value: Any, base: Policy) -> Override:
 
 def _policy(key: Any, value: Any, base: Policy) -> Policy | None:
   """An override's value as a policy: None (and float32) is autocast off; a lower-precision
-  dtype is ``base`` with that dtype; a policy is itself (with ``base``'s cast cache setting)."""
+  dtype is ``base`` with that dtype (its matmuls too, not float8); a policy is itself (with
+  ``base``'s cast cache setting)."""
   if value is None:
     return None
   if isinstance(value, Policy):
@@ -190,8 +191,8 @@ def _policy(key: Any, value: Any, base: Policy) -> Policy | None:
     dtype = None
   if dtype == jnp.float32:
     return None
-  if dtype in LOW_DTYPES:
-    return dataclasses.replace(base, dtype=canonical_dtype(dtype))
+  if dtype in LOW_DTYPES:  # matmuls too: a float8 base's float8 matmuls are not kept there
+    return dataclasses.replace(base.without_float8(), dtype=canonical_dtype(dtype))
   names = ", ".join(f"jnp.{d.name}" for d in LOW_DTYPES)
   raise ValueError(
     f"The override of {key!r} must be None or jnp.float32 (autocast off there), {names} "
