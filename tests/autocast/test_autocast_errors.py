@@ -207,6 +207,17 @@ def test_autocast_positional_device_type_disagreeing_with_device_type_is_a_type_
     jaxamp.autocast("cuda", device_type="cpu")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, "torch.bfloat16"], ids=["jnp", "torch"])
+def test_torch_spelling_with_a_positional_dtype_says_dtype_is_a_keyword(dtype):
+  class TorchLikeDtype:  # torch.bfloat16's str, without importing torch
+    def __str__(self):
+      return "torch.bfloat16"
+
+  given = TorchLikeDtype() if dtype == "torch.bfloat16" else dtype
+  with pytest.raises(TypeError, match=r"jaxamp\.autocast\('cuda', dtype=jnp\.bfloat16\)"):
+    jaxamp.autocast("cuda", given)
+
+
 @pytest.mark.parametrize("device_type", ["cdua", "mps", "GPU"])
 def test_autocast_unknown_positional_device_type_is_a_value_error_naming_the_choices(device_type):
   with pytest.raises(

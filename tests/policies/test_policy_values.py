@@ -180,6 +180,16 @@ def test_another_low_dtype_than_the_policys_names_the_choices():
     jaxamp.policy("cuda").with_rules({"softmax": jnp.bfloat16})
 
 
+def test_a_none_rule_names_native_and_the_override_that_turns_autocast_off():
+  with pytest.raises(ValueError, match=r"got None\. .*Category\.NATIVE.*overrides=\{place: None\}"):
+    jaxamp.policy("cuda").with_rules({"softmax": None})
+
+
+def test_a_float64_rule_says_autocast_goes_up_to_float32_only():
+  with pytest.raises(ValueError, match=r"got jnp\.float64\. autocast runs ops in float32 at most"):
+    jaxamp.policy("cuda").with_rules({"softmax": jnp.float64})
+
+
 def test_an_unrecognised_function_key_says_how_to_register_it():
   with pytest.raises(ValueError, match=r"register_op"):
     jaxamp.policy("cuda").with_rules({_softmax_of_matmul: jnp.float32})

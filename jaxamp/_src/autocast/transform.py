@@ -88,6 +88,12 @@ def autocast(
     counters) are written back to it. Its other attributes are the module's.
   """
   if isinstance(fun, str):  # torch's spelling, autocast("cuda"): the device type comes first
+    if device_type is not None and not isinstance(device_type, str):  # autocast("cuda", dtype)
+      raise TypeError(
+        f"autocast's dtype is a keyword argument: jaxamp.autocast({fun!r}, "
+        f"dtype={_dtype_spelling(device_type)}) (torch's autocast({fun!r}, torch.bfloat16)); got "
+        f"{device_type!r} as a second positional argument, which is the device type."
+      )
     if device_type is not None and device_type != fun:
       raise TypeError(
         f"autocast got two device types, {fun!r} (positional) and device_type={device_type!r}; "
@@ -207,6 +213,17 @@ def _run(
       scoped = amp_overrides is not None and amp_overrides.by_scope
       return nnx_modules.call_keeping_state(run, fun, args, kwargs, scoped)
     return call(fun, amp_policy, args, kwargs, amp_overrides)
+
+
+def _dtype_spelling(value: Any) -> str:
+  """``value`` as JAX spells a dtype (``jnp.bfloat16``, for ``torch.bfloat16`` too), or its repr
+  if it is none."""
+  if str(value).startswith("torch."):
+    return f"jnp.{str(value).removeprefix('torch.')}"
+  try:
+    return f"jnp.{jnp.dtype(value).name}"
+  except TypeError:
+    return repr(value)
 
 
 def _is_pytree_node(fun: Any) -> bool:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import compat
-from jaxamp._src.policies.table import Category, LazyPrimitive, Row, Table, Variant
+from jaxamp._src.policies.table import LOW_DTYPES, Category, LazyPrimitive, Row, Table, Variant
 
 # Categories only an op region can have: they describe what a composite returns (FLOAT32_INSIDE:
 # its input's dtype) or refuse the op on entering it (FORBIDDEN); a primitive's outputs are its own.
@@ -85,7 +85,7 @@ def category_of(value: Any, low: np.dtype, key: Any) -> Category:
   if isinstance(value, str) and value in {c.value for c in Category}:
     return Category(value)
   try:
-    dtype = jnp.dtype(value)
+    dtype = None if value is None else jnp.dtype(value)  # jnp.dtype(None) is the default float
   except TypeError:
     dtype = None
   if dtype == jnp.float32:
@@ -94,12 +94,20 @@ def category_of(value: Any, low: np.dtype, key: Any) -> Category:
     return Category.LOWER
   categories = ", ".join(f"jaxamp.{c}" for c in Category)
   hint = ""
-  if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+  if value is None:
+    hint = (
+      " For an op that runs in the dtypes of its inputs (torch's unlisted ops) use "
+      "jaxamp.Category.NATIVE; to run a part of the model as written, give `autocast` "
+      "`overrides={place: None}` or wrap it in `jaxamp.autocast_disabled()`."
+    )
+  elif dtype in LOW_DTYPES:
     hint = (
       f" This policy's lower-precision dtype is {low.name}; to run a part of the model in "
-      f"{dtype.name}, give it its own policy with `overrides=` (by scope or module type) or "
+      f"{dtype.name}, give it its own policy with `overrides=` (by scope or module type), or "
       f"use `jaxamp.policy(device_type, dtype=jnp.{dtype.name})`."
     )
+  elif dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+    hint = f" autocast runs ops in float32 at most; {dtype.name} values pass through as they are."
   raise ValueError(
     f"The rule for {_key(key)} must be one of {categories}, jnp.float32 (FLOAT32) or "
     f"jnp.{low.name} (LOWER); got {f'jnp.{dtype.name}' if dtype is not None else repr(value)}."
