@@ -71,6 +71,24 @@ def test_a_library_function_rule_changes_its_op_region():
   assert _out_dtype(gelu, policy, X, W) == F32
 
 
+@jaxamp.register_op("squared_for_a_rule", category="float32")
+def _squared(h):
+  return h * h
+
+
+def test_a_function_register_ops_decorator_made_is_a_rule_key():
+  policy = jaxamp.policy("cuda").with_rules({_squared: jaxamp.Category.LOWER})
+  squared = lambda x, w: _squared(x @ w)
+  assert _out_dtype(squared, jaxamp.policy("cuda"), X, W) == F32
+  assert _out_dtype(squared, policy, X, W) == F16
+
+
+def test_a_keras_layer_class_is_a_rule_key_by_its_call():
+  keras = pytest.importorskip("keras")  # the thirdparty extra; tests/conftest.py picks JAX
+  policy = jaxamp.policy("cuda").with_rules({keras.layers.LayerNormalization: jnp.float16})
+  assert policy.diff() == jaxamp.policy("cuda").with_rules({"layer_norm": jnp.float16}).diff()
+
+
 def test_a_dtype_value_is_float32_or_the_policys_lower_dtype():
   policy = jaxamp.policy("cuda")
   by_dtype = policy.with_rules({"softmax": jnp.float16, "mm": jnp.float32})

@@ -160,9 +160,14 @@ def register_op(
       with op_region(name):
         return fun(*args, **kwargs)
 
+    setattr(wrapped, _OP_NAME, name)  # a rule keyed by the function names its op
     return wrapped
 
   return decorate
+
+
+# The attribute naming the op of a function ``register_op``'s decorator made.
+_OP_NAME = "_jaxamp_op_name"
 
 
 def _set_default(name: str, category: Category | str | None) -> None:
@@ -224,9 +229,15 @@ def register_library_op(fun: Callable, name: str) -> None:
 
 
 def library_op_names(fun: Callable) -> tuple[str, ...]:
-  """The op regions ``fun`` is recognised as (by its code object); () for none."""
+  """The op regions ``fun`` is recognised as (by its code object; a class by its ``__call__``, or
+  Keras's ``call``), or that ``register_op``'s decorator made it; () for none."""
   if _pending:
     _resolve_pending()
+  if isinstance(getattr(fun, _OP_NAME, None), str):
+    return (getattr(fun, _OP_NAME),)
+  if isinstance(fun, type):
+    methods = (getattr(fun, attribute, None) for attribute in ("__call__", "call"))
+    return next((names for m in methods if m and (names := library_op_names(m))), ())
   try:
     code = code_of(fun)
   except TypeError:

@@ -124,13 +124,13 @@ def resolve(key: Any, rows: list[Row], tables: Iterable[Table]) -> Target:
   if isinstance(key, str):
     return _named(key, rows, tables)
   if callable(key):
-    fun = key.__call__ if isinstance(key, type) else key
-    names = _op_names[0].of_function(fun) if _op_names else ()
+    names = _op_names[0].of_function(key) if _op_names else ()
     if not names:
+      function = f"{_key(key)}.__call__" if isinstance(key, type) else _key(key)
       raise ValueError(
         f"{_key(key)} is not a function autocast recognises as an op. Name the op instead "
         f'(a torch op name such as "layer_norm"), or register it first: '
-        f'`jaxamp.register_op({_key(key)}, name="my_op")` and then a rule for "my_op".'
+        f'`jaxamp.register_op({function}, name="my_op")` and then a rule for "my_op".'
       )
     return Target(names, ops=names)
   raise TypeError(
