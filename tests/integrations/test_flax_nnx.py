@@ -287,3 +287,41 @@ def test_module_passed_directly_advances_its_rng_counter(mode, device_type, low)
     forward = nnx.jit(forward)
   forward(model, X)
   assert int(model.rngs.count[...]) == 1
+
+
+# --- Variables kept as Refs or hijax types (nnx.var_defaults) ------------------------------------
+
+
+def _kept_as(storage: str, make):
+  """``make()`` with its Variables kept as ``storage`` ("ref" or "hijax")."""
+  if not hasattr(nnx, "var_defaults"):
+    pytest.skip("nnx.var_defaults is newer than this flax")
+  with nnx.var_defaults(**{storage: True}):
+    return make()
+
+
+ROWS = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8), np.float32))
+
+
+@pytest.mark.parametrize("storage", ["ref", "hijax"])
+def test_a_layer_norm_with_variables_kept_as_refs_or_hijax_types_runs(storage):
+  norm = _kept_as(storage, lambda: nnx.LayerNorm(8, rngs=nnx.Rngs(0)))
+  # CPU's layer_norm computes in float32 and follows its input's dtype out.
+  out = jaxamp.autocast(lambda m, x: m(x), device_type="cpu")(norm, ROWS)
+  np.testing.assert_allclose(out, norm(ROWS), atol=1e-5)
+
+
+def test_batch_norm_statistics_kept_as_refs_update_under_nnx_jit():
+  """A Ref is written in place: the trace returns no Ref, and the statistics still move."""
+  make = lambda: nnx.BatchNorm(8, rngs=nnx.Rngs(0))
+  amp, plain = _kept_as("ref", make), _kept_as("ref", make)
+  nnx.jit(jaxamp.autocast(lambda m, x: m(x), device_type="cpu"))(amp, ROWS)
+  nnx.jit(lambda m, x: m(x))(plain, ROWS)
+  assert amp.mean.get_value().dtype == F32
+  np.testing.assert_allclose(amp.mean.get_value(), plain.mean.get_value(), rtol=1e-6)
+
+
+def test_a_linear_kept_as_hijax_types_runs_under_jax_jit():
+  linear = _kept_as("hijax", lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+  out = jax.jit(jaxamp.autocast(lambda m, x: m(x), device_type="cpu"))(linear, ROWS)
+  assert out.dtype == jnp.bfloat16

@@ -176,10 +176,12 @@ def _enter_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> None:
       "jaxamp.autocast_disabled() block on float32 inputs."
     )
   if call.category is Category.FLOAT32_INSIDE:
-    entering = [
+    entering = [  # arrays: a Ref or an nnx hijax Variable read inside has no dtype to follow
       compat.aval_with_dtype(a.aval, env.dtype(a))
       for a in eqn.invars
-      if not compat.is_literal(a) and env.region.get(a) != call.instance
+      if not compat.is_literal(a)
+      and env.region.get(a) != call.instance
+      and isinstance(a.aval, jax.core.ShapedArray)
     ]
     env.exits.note_entering(call.instance, entering, call.region.name in op_calls.STATEFUL_OPS)
   elif op_calls.accumulates(call):

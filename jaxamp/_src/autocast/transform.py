@@ -364,7 +364,7 @@ def _as_array(value: Any, aval: Any) -> jax.Array:
   stay dynamic for ``eqx.filter_jit`` and the like, which would make a Python ``bool`` static and
   retrace on it.
   """
-  if isinstance(value, jax.Array):
+  if isinstance(value, jax.Array | jax.core.Tracer):  # a hijax Variable's tracer is no Array
     return value
   array = jnp.asarray(value)  # a numpy value keeps its dtype, a Python scalar its weak type
   if hasattr(value, "dtype") or array.dtype == aval.dtype:

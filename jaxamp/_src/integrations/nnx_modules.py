@@ -20,6 +20,8 @@ from typing import Any
 
 import jax
 
+from jaxamp._src import compat
+
 
 def _nnx():
   from flax import nnx
@@ -92,7 +94,17 @@ def _pure_call(
   inner_args, inner_kwargs = jax.tree.unflatten(treedef, inner)
   with named_calls(merged) if scoped else contextlib.nullcontext():
     out = fun(*inner_args, **inner_kwargs)
-  return out, nnx.state([leaf for leaf, m in zip(inner, is_module, strict=True) if m])
+  new_state = nnx.state([leaf for leaf, m in zip(inner, is_module, strict=True) if m])
+  # A Variable kept as a Ref (``nnx.var_defaults(ref=True)``) was written in place; a trace
+  # cannot return a Ref.
+  held = [(path, var) for path, var in nnx.to_flat_state(new_state) if not _holds_ref(var)]
+  return out, nnx.from_flat_state(held)
+
+
+def _holds_ref(leaf: Any) -> bool:
+  """Whether ``leaf`` is a Variable whose value is a mutable array reference."""
+  raw = getattr(leaf, "get_raw_value", None)
+  return raw is not None and compat.is_ref(raw())
 
 
 # Module instance id -> its attribute path, while ``named_calls`` is active.
