@@ -112,12 +112,16 @@ def test_explain_takes_the_non_array_leaves_autocast_takes():
   assert any(d.primitive == "dot_general" for d in explanation.decisions)
 
 
-def test_an_nnx_module_as_the_function_is_explained_like_its_autocast():
+@pytest.mark.parametrize(
+  "tool, records",
+  [(jaxamp.explain, "decisions"), (jaxamp.precision_report, "entries")],
+  ids=["explain", "precision_report"],
+)
+def test_an_nnx_module_as_the_function_is_reported_like_its_autocast(tool, records):
   """``explain(model)(x)``, as ``autocast(model)(x)``: a BatchNorm in training writes its
   statistics, which a closed-over module could not; the model itself is left as it was."""
   model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, rngs=nnx.Rngs(0)))
   mean = model.layers[1].mean.get_value()
-  result = jaxamp.explain(model, device_type="cuda")(jnp.ones((4, 8)))
-  assert isinstance(result, jaxamp.Explanation)
-  assert any(entry.primitive == "dot_general" for entry in result.decisions)
+  result = tool(model, device_type="cuda")(jnp.ones((4, 8)))
+  assert any(entry.primitive == "dot_general" for entry in getattr(result, records))
   assert model.layers[1].mean.get_value() is mean

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax import lax
 from report_models import deep_model
 
@@ -266,14 +265,3 @@ def test_precision_report_rejects_bad_input():
     report.worst(-1)
   with pytest.raises(ValueError, match="`at_least` must be"):
     report.where_error_starts(at_least=-1.0)
-
-
-def test_an_nnx_module_as_the_function_is_reported_like_its_autocast():
-  """``precision_report(model)(x)``, as ``autocast(model)(x)``: a BatchNorm in training writes its
-  statistics, which a closed-over module could not; the model itself is left as it was."""
-  model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, rngs=nnx.Rngs(0)))
-  mean = model.layers[1].mean.get_value()
-  result = jaxamp.precision_report(model, device_type="cuda")(jnp.ones((4, 8)))
-  assert isinstance(result, jaxamp.PrecisionReport)
-  assert any(entry.primitive == "dot_general" for entry in result.entries)
-  assert model.layers[1].mean.get_value() is mean
