@@ -208,6 +208,18 @@ def test_a_float64_rule_says_autocast_goes_up_to_float32_only():
     jaxamp.policy("cuda").with_rules({"softmax": jnp.float64})
 
 
+def test_two_keys_setting_one_op_to_different_categories_raise():
+  rules = {"softmax": jaxamp.Category.LOWER, jax.nn.softmax: jaxamp.Category.FLOAT32}
+  with pytest.raises(ValueError, match=r"'softmax'.*function softmax.*op region 'softmax'"):
+    jaxamp.policy("cuda").with_rules(rules)
+
+
+def test_two_keys_setting_one_op_to_the_same_category_agree():
+  rules = {"softmax": jaxamp.Category.LOWER, jax.nn.softmax: jaxamp.Category.LOWER}
+  policy = jaxamp.policy("cuda").with_rules(rules)
+  assert policy == jaxamp.policy("cuda").with_rules({"softmax": jaxamp.Category.LOWER})
+
+
 def test_an_unrecognised_function_key_says_how_to_register_it():
   with pytest.raises(ValueError, match=r"register_op"):
     jaxamp.policy("cuda").with_rules({_softmax_of_matmul: jnp.float32})

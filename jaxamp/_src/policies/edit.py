@@ -67,9 +67,18 @@ def with_rules(table: Table, rules: Mapping, low: np.dtype, tables: Iterable[Tab
       f"jaxamp.Category or dtype}}; got {type(rules).__name__}."
     )
   rows = list(table.rows)
+  decided: dict[Any, tuple[Any, Category]] = {}  # primitive or op region -> (key, category)
   for key, value in rules.items():
     target = resolve(key, rows, tables)
     category = category_of(value, low, key)
+    for part in (*target.primitives, *target.ops):
+      earlier, earlier_category = decided.setdefault(part, (key, category))
+      if earlier_category != category:
+        what = f"op region {part!r}" if isinstance(part, str) else f"primitive {_name(part)!r}"
+        raise ValueError(
+          f"The rules for {_rule_key(earlier)} (jaxamp.{earlier_category}) and {_rule_key(key)} "
+          f"(jaxamp.{category}) both set {what}; keep one of them."
+        )
     if target.primitives and category in _OP_ONLY:
       names = ", ".join(_name(p) for p in target.primitives)
       what = _key(key) if isinstance(key, compat.Primitive) else f"{_key(key)} (primitive {names})"
@@ -212,6 +221,11 @@ def _key(key: Any) -> str:
   if isinstance(key, str):
     return repr(key)
   return getattr(key, "__qualname__", repr(key))
+
+
+def _rule_key(key: Any) -> str:
+  """A rule's key as a user wrote it: a name, a primitive, or a function or class."""
+  return _key(key) if isinstance(key, str | compat.Primitive | Variant) else f"function {_key(key)}"
 
 
 # --- tables as text ------------------------------------------------------------------------------
