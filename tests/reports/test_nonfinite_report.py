@@ -237,6 +237,13 @@ def test_any_nonfinite_drives_a_jnp_where_inside_jit():
   assert float(jnp.sum(guarded(jnp.array([1.0, 2.0])))) == 3.0
 
 
+def test_a_batched_report_says_how_to_format_one_example():
+  report = jax.vmap(nonfinite_report)({"x": jnp.array([[1.0, INF], [NAN, 2.0]])})
+  with pytest.raises(TypeError, match=r"batched .*x\[i\]"):
+    str(report)
+  assert "1 nan" in str(jax.tree.map(lambda leaf: leaf[1], report))
+
+
 @pytest.mark.slow  # trains or compiles a model
 def test_report_works_under_vmap_per_example():
   x = jnp.array([[1.0, INF, -INF], [NAN, 2.0, 3.0]])

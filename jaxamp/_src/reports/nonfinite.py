@@ -162,6 +162,11 @@ class NonfiniteReport(NamedTuple):
         "a `NonfiniteReport` can be formatted on the host only; inside `jit` call "
         "`report.debug_print()`, or return the report from the jitted function."
       )
+    if np.ndim(self.nan):
+      raise TypeError(
+        f"this `NonfiniteReport` is batched (from `vmap`: shape {np.shape(self.nan)}); format "
+        "one example's, `jax.tree.map(lambda x: x[i], report)`."
+      )
     worst = _worst_first(self)
     max_finite = _fmt(float(np.asarray(self.max_finite)))
     if not worst:
