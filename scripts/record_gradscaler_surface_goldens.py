@@ -194,6 +194,7 @@ def unscale_cases() -> list[dict[str, Any]]:
 # Scripts: sequences of operations on one scaler, with its state after each.
 #
 # Operations: ["step", "finite" | "inf"]  gradients of one float32 parameter, step(), update();
+#             ["step_new_scale", ["finite" | "inf", float]]  step(), then update(new_scale);
 #             ["update_new_scale", float] / ["update_new_scale_tensor", float]  (0-d float32);
 #             ["set_growth_factor" | "set_backoff_factor" | "set_growth_interval", value];
 #             ["load_state_dict", dict].
@@ -229,6 +230,18 @@ SCRIPTS = {
       ["update_new_scale_tensor", 1234.5678],
       ["step", "finite"],
       ["step", "finite"],
+    ],
+  ),
+  "step_then_update_new_scale_replaces_the_automatic_update": dict(
+    init=dict(init_scale=8.0, growth_interval=3),
+    ops=[
+      ["step", "finite"],
+      ["step_new_scale", ["finite", 100.0]],
+      ["step", "finite"],
+      ["step_new_scale", ["inf", 50.0]],
+      ["step", "finite"],
+      ["step", "finite"],
+      ["step", "inf"],
     ],
   ),
   "setters_take_effect_at_the_next_update": dict(
@@ -326,11 +339,12 @@ def run_script(name: str) -> dict[str, Any]:
   scaler.scale(torch.ones(()))  # initialises the scale tensor, as a training loop does
   after = []
   for op, arg in spec["ops"]:
-    if op == "step":
+    if op in ("step", "step_new_scale"):
+      kind, new_scale = (arg, None) if op == "step" else arg
       scaler.scale(torch.ones(()))
-      param.grad = torch.tensor([1.0, np.inf if arg == "inf" else 2.0])
+      param.grad = torch.tensor([1.0, np.inf if kind == "inf" else 2.0])
       scaler.step(opt)
-      scaler.update()
+      scaler.update(None if new_scale is None else float(new_scale))
     elif op == "update_new_scale":
       scaler.update(float(arg))
     elif op == "update_new_scale_tensor":

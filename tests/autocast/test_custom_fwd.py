@@ -184,6 +184,18 @@ def test_without_cast_inputs_the_custom_vjp_is_autocast_as_before(decorate_fwd):
   assert dot_dtypes(jax.grad(loss, argnums=(0, 1)), X, W) == [jnp.float16] * 3
 
 
+@pytest.mark.parametrize("spelling", ["cuda", "gpu"])
+def test_a_device_types_custom_fwd_casts_only_under_that_device_types_policy(spelling):
+  # torch's custom_fwd(device_type="cuda", cast_inputs=float32) casts only while CUDA autocast
+  # is on; under CPU autocast the forward is ordinary autocast code.
+  mm = torch_spelling(jaxamp.custom_fwd(device_type=spelling, cast_inputs=jnp.float32))
+  fun = lambda a, b: mm(a @ b, b)
+  assert dot_dtypes(jaxamp.autocast(fun, device_type="cuda"), X, W) == [jnp.float16, jnp.float32]
+  assert dot_dtypes(jaxamp.autocast(fun, device_type="cpu"), X, W) == [jnp.bfloat16] * 2
+  grads = jax.grad(lambda a: jaxamp.autocast(fun, device_type="cpu")(a, W).sum())(X)
+  assert grads.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(grads)))
+
+
 def test_outside_autocast_custom_fwd_changes_nothing():
   mm = torch_spelling()
   x, w = X.astype(jnp.float16), W.astype(jnp.float16)

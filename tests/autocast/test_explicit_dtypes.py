@@ -7,6 +7,7 @@ upcast-then-restore. ``preferred_element_type`` chosen by the caller is kept as 
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -86,6 +87,28 @@ def test_a_16_bit_input_summed_without_dtype_returns_the_policys_dtype(device_ty
   fun = jaxamp.autocast(lambda x: jnp.sum(x), device_type=device_type)
   expected = jnp.float16 if device_type == "cpu" else jnp.float32
   assert fun(X.astype(jnp.float16)).dtype == expected
+
+
+WIDENING = {**REDUCTIONS, "var": jnp.var, "std": jnp.std, "nanmean": jnp.nanmean}
+LOW_INPUT = jnp.linspace(0.0, 1.0, 64).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("name", sorted(WIDENING))
+@pytest.mark.slow_after_first
+def test_a_16_bit_input_reduced_with_a_wider_dtype_returns_it_bit_for_bit(device_type, name):
+  # torch: sum(bf16, dtype=torch.float32) is float32, accumulated in float32.
+  reduce = lambda x: WIDENING[name](x, dtype=jnp.float32)
+  got = jaxamp.autocast(reduce, device_type=device_type)(LOW_INPUT)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(reduce(LOW_INPUT)), strict=True)
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("name", ["sum", "cumsum", "mean"])
+def test_a_16_bit_input_reduced_with_the_other_16_bit_dtype_returns_that_dtype(device_type, name):
+  # torch: sum(bf16, dtype=torch.float16) is float16, also where sum is on the float32 list.
+  fun = jaxamp.autocast(lambda x: REDUCTIONS[name](x, dtype=jnp.float16), device_type=device_type)
+  assert fun(LOW_INPUT).dtype == jnp.float16
 
 
 # --- precision=: an explicit request for full precision ------------------------------------

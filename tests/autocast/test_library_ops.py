@@ -231,6 +231,7 @@ EXAMPLES = {
     optax.losses.triplet_margin_loss,
     (X, X * 0.5, X[::-1]),
   ),
+  ("flax.linen", "Module.init"): (lambda x: nn.Dense(3).init(KEY, x), (X,)),
   ("flax.linen", "LayerNorm.__call__"): linen(nn.LayerNorm(), X),
   ("flax.linen", "GroupNorm.__call__"): linen(nn.GroupNorm(num_groups=2), X),
   ("flax.linen", "BatchNorm.__call__"): linen(

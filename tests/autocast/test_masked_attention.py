@@ -152,6 +152,41 @@ def test_a_computed_overflow_is_not_hidden():
   assert bool(jnp.isinf(out).all())
 
 
+@policies
+def test_scores_shifted_by_a_large_constant_as_a_where_branch_stay_finite(device_type, dtype):
+  # Keras's Attention picks its shift by the scores' run-time dtype (65504 for float16, else
+  # 1e9); traced in float32 it is 1e9, whose float32 result becomes the 16-bit minimum, as a
+  # fill does, not -inf: a fully masked row's softmax stays finite, as Keras's own float16 run.
+  padding = ~MASK[:, 0].astype(bool)  # padding queries' rows are fully masked
+
+  def attend(x):
+    scores = jnp.einsum("bqd,bkd->bqk", x, x)
+    return jax.nn.softmax(jnp.where(padding, scores - 1e9, scores))
+
+  fun = jaxamp.autocast(attend, device_type=device_type, dtype=dtype)
+  value_and_grad_finite(lambda x: fun(x).astype(jnp.float32).sum(), X)
+
+
+@pytest.mark.parametrize(
+  "fun",
+  [
+    lambda x: jnp.where(x.sum() > 0, jnp.inf, 1.0),
+    lambda x: jnp.where(x > 0, 1.0, 0.0) * x,
+    lambda x: jnp.clip(x.sum(), 0.0, 1.0),
+  ],
+  ids=["scalar-branches", "scalar-fills", "clip"],
+)
+def test_where_branches_that_are_python_scalars_run_as_in_jax(fun):
+  x = jnp.array([1.0, -2.0, 3.0])
+  np.testing.assert_array_equal(jaxamp.autocast(fun, device_type="cpu")(x), fun(x))
+
+
+def test_scores_shifted_by_a_large_constant_and_returned_overflow_as_in_torch():
+  # Only a where branch stands for a fill: torch's float16 scores - 1e9 is -inf.
+  fun = jaxamp.autocast(lambda x, w: x @ w - 1e9, device_type="cuda")
+  assert bool(jnp.isneginf(fun(X[0], X[0].T)).all())
+
+
 # --- additive masks: a mask added to the scores is not a bias -------------------------------
 
 PAIR = jnp.array([[1, 1, 0, 0]] * 2 + [[0, 0, 0, 0]] * 2, bool)  # rows 2, 3: fully masked

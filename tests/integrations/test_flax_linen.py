@@ -436,3 +436,24 @@ def test_static_train_flag_selects_the_behaviour(device_type, low):
   assert evaluated.dtype == trained.dtype == low
   assert_close(evaluated, mlp(train=False)(mlp_variables(), MLP_INPUT, DROPOUT_KEY), VALUE_RTOL)
   assert_close(trained, mlp()(mlp_variables(), MLP_INPUT, DROPOUT_KEY), VALUE_RTOL)
+
+
+class DataDependentInit(nn.Module):
+  """A bias initialised from the first batch through the layer's own matmul, as weight norm's
+  is (flax's PixelCNN++ example)."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(), (x.shape[-1], 4))
+    bias = self.param("bias", lambda key: -jnp.mean(x @ w, 0))
+    return x @ w + bias
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_parameters_an_autocast_init_creates_are_those_of_a_float32_init(device_type, low):
+  # torch creates parameters outside autocast: init's forward runs as written.
+  x = jnp.arange(24.0).reshape(8, 3) / 8
+  created = jaxamp.autocast(DataDependentInit().init, device_type=device_type)(KEY, x)
+  expected = DataDependentInit().init(KEY, x)
+  assert jax.tree.map(lambda a: a.dtype, created) == jax.tree.map(lambda a: a.dtype, expected)
+  assert_tree_close(created, expected, 1e-6)

@@ -180,6 +180,29 @@ def test_multi_head_attention_with_fully_masked_rows_is_finite_and_close_to_floa
   np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=5e-2, atol=5e-2)
 
 
+@policies
+def test_attention_with_an_all_padding_value_sequence_is_finite_and_close_to_float32(
+  device_type, low
+):
+  # Keras's Attention shifts masked scores by 1e9 (65504 for float16 scores, decided at run
+  # time): the shift traced in float32 must not become -inf in 16 bits.
+  attention = layers.Attention()
+  q = jnp.asarray(RNG.standard_normal((2, 3, 4)), jnp.float32)
+  v = jnp.asarray(RNG.standard_normal((2, 5, 4)), jnp.float32)
+  value_mask = np.ones((2, 5), bool)
+  value_mask[1] = False  # a padding-only sequence
+
+  def run(w, q, v):
+    return attention([q @ w, v], mask=[None, value_mask])
+
+  w = jnp.eye(4)
+  out = jax.jit(jaxamp.autocast(run, device_type=device_type))(w, q, v)
+  assert out.dtype == low and bool(jnp.all(jnp.isfinite(out)))
+  np.testing.assert_allclose(np.asarray(out, np.float32), run(w, q, v), rtol=5e-2, atol=5e-2)
+  grad = jax.grad(lambda w: jaxamp.autocast(run, device_type=device_type)(w, q, v).sum())(w)
+  assert bool(jnp.all(jnp.isfinite(grad)))
+
+
 # --- Keras's losses and layers as the torch ops they are ------------------------------------------
 
 

@@ -230,6 +230,16 @@ def test_skipped_step_keeps_negative_zero_params_negative_zero():
   assert tree_bitwise_equal(optax.apply_updates(params, updates), params)
 
 
+def test_skipped_step_keeps_complex_params_with_negative_zero_parts_bit_identical():
+  # A -0.0 update with a +0.0 imaginary part turns a -0.0 imaginary part into +0.0.
+  params = {"z": jax.lax.complex(jnp.array([-0.0, 1.0]), jnp.array([-0.0, -0.0]))}
+  tx = jaxamp.dynamic_loss_scale(optax.adam(0.1))
+  grads = {"z": jnp.array([complex(np.inf, 0), 1j], jnp.complex64)}
+  updates, state = jitted_update(tx)(grads, tx.init(params), params)
+  assert state.found_inf
+  assert tree_bitwise_equal(optax.apply_updates(params, updates), params)
+
+
 @pytest.mark.slow
 def test_skipped_step_does_not_advance_learning_rate_schedules():
   schedule = optax.linear_schedule(1.0, 0.0, transition_steps=4)

@@ -103,11 +103,15 @@ def test_recipe_multisteps_around_the_scaler_skips_the_whole_accumulated_step_li
 
 @pytest.mark.slow
 def test_multi_steps_micro_steps_leave_negative_zero_params_bit_identical():
-  params = {"w": jnp.array([-0.0, 0.0, 2.0])}
+  params = {
+    "w": jnp.array([-0.0, 0.0, 2.0]),
+    "z": jax.lax.complex(jnp.array([-0.0, 1.0]), jnp.array([-0.0, -0.0])),
+  }
   tx = jaxamp.multi_steps(jaxamp.dynamic_loss_scale(optax.sgd(0.1)), 2)
-  updates, _ = jax.jit(tx.update)({"w": jnp.ones(3)}, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
   stepped = optax.apply_updates(params, updates)
-  assert np.asarray(stepped["w"]).tobytes() == np.asarray(params["w"]).tobytes()
+  for name in params:
+    assert np.asarray(stepped[name]).tobytes() == np.asarray(params[name]).tobytes(), name
 
 
 @pytest.mark.slow

@@ -363,6 +363,16 @@ def script_step(state, grads):
   return SCRIPT_TX.update(grads, state, jnp.zeros(2))[1]
 
 
+@jax.jit
+def script_step_new_scale(state, grads, new_scale):
+  """torch's ``step(); update(new_scale)``: the update's ``new_scale=``."""
+  return SCRIPT_TX.update(grads, state, jnp.zeros(2), new_scale=new_scale)[1]
+
+
+def script_grads(kind):
+  return jnp.array([1.0, jnp.inf if kind == "inf" else 2.0])
+
+
 @functools.cache
 def jitted(op):
   if op == "update_new_scale":  # a Python float, validated at trace time
@@ -375,7 +385,10 @@ def jitted(op):
 def apply_op(state, op, arg):
   """One golden operation on jaxamp's side, under jit."""
   if op == "step":
-    return script_step(state, jnp.array([1.0, jnp.inf if arg == "inf" else 2.0]))
+    return script_step(state, script_grads(arg))
+  if op == "step_new_scale":
+    kind, new_scale = arg
+    return script_step_new_scale(state, script_grads(kind), jnp.float32(new_scale))
   if op == "update_new_scale_tensor":
     return jitted(op)(state, jnp.float32(arg))
   if op == "load_state_dict":  # a dict is not hashable: close over it
@@ -409,6 +422,31 @@ def test_scripts_match_live_torch():
   pytest.importorskip("torch")
   for name in recorder.SCRIPTS:
     replay_script(recorder.run_script(name))
+
+
+def test_an_updates_new_scale_replaces_the_automatic_scale_update():
+  # torch's step(); update(new_scale): the step counts neither towards growth nor as an overflow.
+  tx = scaler(init_scale=8.0, growth_interval=3)
+  state = tx.init(PARAMS)
+  _, state = tx.update(PARAMS, state, PARAMS)
+  _, taken = jax.jit(lambda s: tx.update(PARAMS, s, PARAMS, new_scale=100.0))(state)
+  assert taken.scale == 100.0 and taken.growth_tracker == 1 and not taken.found_inf
+  bad = jax.tree.map(lambda param: param * jnp.inf, PARAMS)
+  _, skipped = tx.update(bad, state, PARAMS, new_scale=jnp.float32(50.0))
+  assert skipped.scale == 50.0 and skipped.growth_tracker == 1 and skipped.found_inf
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_an_updates_new_scale_is_validated_as_set_scales(enabled):
+  tx = scaler(enabled=enabled)
+  with pytest.raises(TypeError, match="`new_scale` must be a float or a 1-element float32"):
+    tx.update(PARAMS, tx.init(PARAMS), PARAMS, new_scale=2)
+
+
+def test_a_disabled_scalers_update_ignores_new_scale():
+  tx = scaler(enabled=False)
+  _, state = tx.update(PARAMS, tx.init(PARAMS), PARAMS, new_scale=8.0)
+  assert state.scale == 1.0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -128,6 +128,15 @@ def test_two_scaler_states_are_ambiguous():
     jaxamp.scaler.state_dict(both)
 
 
+def test_a_scaler_wrapping_a_scaler_is_refused_at_init():
+  # Each would unscale the updates once: they would come out `scale` times too small.
+  with pytest.raises(ValueError, match="holds a dynamic_loss_scale already"):
+    jaxamp.dynamic_loss_scale(jaxamp.dynamic_loss_scale(optax.sgd(1.0))).init(PARAMS)
+  with pytest.raises(ValueError, match="holds a dynamic_loss_scale already"):
+    inner = optax.chain(optax.clip(1.0), jaxamp.dynamic_loss_scale(optax.sgd(1.0)))
+    jaxamp.dynamic_loss_scale(inner).init(PARAMS)
+
+
 # --- flax training loops --------------------------------------------------------------------------
 
 

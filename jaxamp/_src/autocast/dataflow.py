@@ -91,6 +91,7 @@ class Provenance:
     dims: var -> what each of its dims varies along (``Dims``), for layout changes and
       matmul outputs; any other value varies along its own dims.
     constants: var -> its value, for rank-0 invars of a body that receive a Python scalar.
+    selected: vars read only as ``jnp.where`` branches (``selected_reads``), for ``is_selected``.
   """
 
   def __init__(self):
@@ -104,6 +105,7 @@ class Provenance:
     self.masks: set[Any] = set()
     self.dims: dict[Any, Dims] = {}
     self.constants: dict[Any, Any] = {}
+    self.selected: frozenset = frozenset()
 
   def root(self, atom) -> Any:
     return self.source.get(atom, atom)
@@ -210,6 +212,11 @@ class Provenance:
     16-bit one where the prototype is a 16-bit activation (``jnp.concatenate([jnp.zeros_like(
     h[:1]), h[:-1]])``, ``h + jnp.ones_like(h)``)."""
     return not compat.is_literal(atom) and atom in self.likes
+
+  def is_selected(self, atom) -> bool:
+    """Whether ``atom`` is read only as a ``jnp.where`` branch (``selected_reads``): a mask's
+    fill, which stands for a scalar however it was computed."""
+    return not compat.is_literal(atom) and atom in self.selected
 
   def follows_partner(self, eqn, position: int) -> bool:
     """Whether operand ``position`` of ``eqn`` takes its partner's dtype instead of promoting
@@ -397,6 +404,43 @@ def mask_outputs(jaxpr) -> tuple[bool, ...]:
   return tuple(not compat.is_literal(out) and out in masks for out in jaxpr.outvars)
 
 
+def selected_reads(jaxpr) -> frozenset:
+  """The vars of ``jaxpr`` that nothing reads but as a ``select_n`` case (a ``jnp.where``
+  branch), through layout changes, casts and the calls it makes, and that it does not return:
+  a mask's fill, however computed (Keras's ``where(padding, scores - 1e9, scores)``)."""
+  selected: set = set()
+  other = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+  for eqn in reversed(jaxpr.eqns):  # every read of an eqn's outputs is seen before the eqn
+    only_selected = _selected_inputs(eqn, selected)
+    for atom in eqn.invars:
+      if compat.is_literal(atom) or atom in other:
+        continue
+      if atom in only_selected:
+        selected.add(atom)
+      else:
+        selected.discard(atom)
+        other.add(atom)
+  return frozenset(selected)
+
+
+def _selected_inputs(eqn, selected: set) -> set:
+  """The inputs ``eqn`` reads only as ``select_n`` cases: a select's cases, the input of a
+  layout change or cast whose outputs are ``selected``, or those a call's body reads so."""
+  if eqn.primitive is prims.select_n_p:
+    reads = [(atom, position > 0) for position, atom in enumerate(eqn.invars)]
+  elif eqn.primitive in KEEPS_PROVENANCE:
+    reads = [(eqn.invars[0], all(out in selected for out in eqn.outvars))]
+  else:
+    body = _called_body(eqn)
+    if body is None:
+      return set()
+    inner = body_selected(body)
+    atoms = compat.sub_jaxpr_inputs(eqn)[0][1]
+    reads = [(atom, var in inner) for atom, var in zip(atoms, body.invars, strict=True)]
+  reads = [(atom, only) for atom, only in reads if not compat.is_literal(atom)]
+  return {atom for atom, only in reads if only} - {atom for atom, only in reads if not only}
+
+
 def _per_jaxpr(name: str, compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
   """``compute`` of a jaxpr, computed once per jaxpr object while it lives (a part of one,
   which cannot be referenced weakly, every time)."""
@@ -414,6 +458,7 @@ def _per_jaxpr(name: str, compute: Callable[[Any], Any]) -> Callable[[Any], Any]
   return once
 
 
-# ``mask_outputs`` and ``activation_reads`` of a jaxpr, once per jaxpr object.
+# ``mask_outputs``, ``activation_reads`` and ``selected_reads`` of a jaxpr, once per jaxpr object.
 body_mask_outputs = _per_jaxpr("dataflow.body_masks", mask_outputs)
 body_activations = _per_jaxpr("dataflow.body_reads", activation_reads)
+body_selected = _per_jaxpr("dataflow.body_selected", selected_reads)

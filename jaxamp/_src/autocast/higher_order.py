@@ -533,12 +533,14 @@ def backward_policy():
   return _backward_policy.get()
 
 
-def _custom_fwd_region(jaxpr) -> regions.OpRegion | None:
-  """The ``custom_fwd(cast_inputs=...)`` region every eqn of ``jaxpr`` was traced in, if one."""
+def _custom_fwd_region(jaxpr, device_type: str) -> regions.OpRegion | None:
+  """The ``custom_fwd(cast_inputs=...)`` region casting under ``device_type`` that every eqn of
+  ``jaxpr`` was traced in, if one."""
   found = None
   for eqn in jaxpr.eqns:
     marks = regions.marks_of(eqn)
-    region = None if marks.kept else next((op for op in marks.ops if op.cast_to is not None), None)
+    casting_ops = (op for op in marks.ops if op.casts_under(device_type))
+    region = None if marks.kept else next(casting_ops, None)
     if region is None or (found is not None and region.instance != found.instance):
       return None
     found = region
@@ -558,10 +560,11 @@ def _enter_custom_fwd(eqn, invals, env, ctx, fwd_jaxpr) -> tuple[list, Context]:
   """
   if ctx.op is not None:
     return invals, ctx
-  region = _custom_fwd_region(eqn.params["call_jaxpr"].jaxpr)
+  device_type = ctx.policy.device_type
+  region = _custom_fwd_region(eqn.params["call_jaxpr"].jaxpr, device_type)
   if region is None:
     perturbed = tuple(compat.perturbed(v) for v in invals[eqn.params["num_consts"] :])
-    region = _custom_fwd_region(fwd_jaxpr(perturbed)[0])
+    region = _custom_fwd_region(fwd_jaxpr(perturbed)[0], device_type)
   if region is None:
     return invals, ctx
   cast = [

@@ -128,7 +128,8 @@ EAGER_OPS = (
 # dtype, which torch's kernel would make in the input's: as one op it returns the input's dtype.
 # Haiku's InstanceNorm is its LayerNorm's __call__, so it is a layer_norm, as it computes one.
 LAZY_OPS = (
-  # flax.linen
+  # flax.linen; its Module.init creates the parameters, which torch does outside autocast
+  ("flax.linen", "Module.init", "module_init"),
   ("flax.linen", "LayerNorm.__call__", "layer_norm"),
   ("flax.linen", "GroupNorm.__call__", "group_norm"),
   ("flax.linen", "BatchNorm.__call__", "batch_norm"),

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxamp._src import compat
 from jaxamp._src.autocast import casting, regions
@@ -53,8 +54,9 @@ def op_category(
 ) -> Category | None:
   """The op's category under ``policy`` (for a call of that ``variant``); None for a plain
   composition (no row, no default)."""
-  if op.cast_to is not None:
-    return Category.NATIVE  # custom_fwd(cast_inputs=...): cast on entry, autocast off inside
+  if op.cast_to is not None:  # custom_fwd(cast_inputs=...): cast on entry, autocast off inside;
+    # under another device type's autocast a plain composition, as torch's
+    return Category.NATIVE if op.casts_under(policy.device_type) else None
   return policy.op_category(op.name, op.default, variant)
 
 
@@ -103,19 +105,61 @@ def _call_variant(
   eqns, marks: Sequence[regions.Marks], start: int, op: regions.OpRegion, policy: Policy
 ) -> str | None:
   """The variant of the call of ``op`` starting at ``eqns[start]``, for an op some row lists
-  with one: that of the pooling among its eqns, or ``logits`` for a loss computed from logits;
-  None for neither."""
+  with one: that of the pooling among its eqns, ``logits`` for a loss computed from logits, or
+  ``dtype`` for a call given an explicit dtype; None for none of these."""
   if op.name not in policy.table.ops_with_variants:
     return None
-  for eqn, eqn_marks in zip(eqns[start:], marks[start:], strict=True):
-    if all(inner.instance != op.instance for inner in eqn_marks.ops):
-      return None
+  span = _call_span(eqns, marks, start, op)
+  for eqn, eqn_marks in span:
     dims = pooled_dims(eqn)
     if dims is not None:
       return pooling_variant(dims)
     if _takes_logits(eqn, eqn_marks):
       return "logits"
-  return None
+  return "dtype" if _sets_result_dtype([eqn for eqn, _ in span]) else None
+
+
+def _call_span(eqns, marks: Sequence[regions.Marks], start: int, op: regions.OpRegion) -> list:
+  """The (eqn, marks) pairs of the call of ``op`` starting at ``eqns[start]``: on while they lie
+  in ``op``'s instance and their position inside it moves on (``op_calls``' grouping)."""
+  span, position, produced = [], None, set()
+  for eqn, eqn_marks in zip(eqns[start:], marks[start:], strict=True):
+    at = next(
+      (a for o, a in zip(eqn_marks.ops, eqn_marks.positions, strict=True) if o == op), _NOT_IN
+    )
+    if at is _NOT_IN:
+      break
+    moves_on = at is None or position is None or at > position
+    if span and not moves_on and not _reads_any(eqn, produced):
+      break
+    span.append((eqn, eqn_marks))
+    position = at
+    produced.update(eqn.outvars)
+  return span
+
+
+_NOT_IN = object()
+
+
+def _sets_result_dtype(eqns) -> bool:
+  """Whether the call made of ``eqns`` returns a floating dtype none of its floating inputs has:
+  JAX's reductions and scans given ``dtype=`` convert to it on entry and never back, while
+  without one they return their input's dtype (computing a 16-bit input in float32 inside)."""
+  produced: set = set()
+  entering = set()
+  for eqn in eqns:
+    entering.update(
+      _floating_dtype(v) for v in eqn.invars if not compat.is_literal(v) and v not in produced
+    )
+    produced.update(eqn.outvars)
+  entering.discard(None)
+  results = {_floating_dtype(v) for v in eqns[-1].outvars} - {None}
+  return bool(entering) and bool(results) and results.isdisjoint(entering)
+
+
+def _floating_dtype(value) -> np.dtype | None:
+  dtype = getattr(value.aval, "dtype", None)
+  return dtype if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else None
 
 
 def _takes_logits(eqn, eqn_marks: regions.Marks) -> bool:

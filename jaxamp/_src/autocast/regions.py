@@ -55,12 +55,20 @@ class OpRegion(NamedTuple):
     default: the category where the table has no row for ``name``.
     cast_to: a dtype every entering floating value is cast to, whatever the policy
       (``custom_fwd(cast_inputs=...)``).
+    cast_under: the device type whose policies make that cast (``custom_fwd``'s
+      ``device_type``); None for every one.
   """
 
   name: str
   instance: str
   default: Category | None
   cast_to: np.dtype | None = None
+  cast_under: str | None = None
+
+  def casts_under(self, device_type: str) -> bool:
+    """Whether this ``custom_fwd(cast_inputs=...)`` region casts under a policy of
+    ``device_type``: torch casts only where autocast is on for the decorator's device type."""
+    return self.cast_to is not None and self.cast_under in (None, device_type)
 
 
 _user_defaults: dict[str, Category | None] = {}
@@ -109,9 +117,9 @@ def op_region(name: str) -> Iterator[None]:
 _CUSTOM_FWD = "custom_fwd:"
 
 
-def custom_fwd_name(dtype: np.dtype) -> str:
-  """The op-region name of a ``custom_fwd(cast_inputs=dtype)`` function."""
-  return f"{_CUSTOM_FWD}{np.dtype(dtype).name}"
+def custom_fwd_name(dtype: np.dtype, device_type: str | None = None) -> str:
+  """The op-region name of a ``custom_fwd(device_type=..., cast_inputs=dtype)`` function."""
+  return f"{_CUSTOM_FWD}{device_type or ''}:{np.dtype(dtype).name}"
 
 
 def register_op(
@@ -370,8 +378,10 @@ def site_of(eqn) -> tuple:
 def _named_op(scope: str, version: int) -> OpRegion:
   """The op region a ``jaxamp.op:`` scope names, under registrations of ``version``."""
   name = scope[len(_OP_PREFIX) :].rpartition("#")[0]
-  cast_to = np.dtype(jnp.dtype(name[len(_CUSTOM_FWD) :])) if name.startswith(_CUSTOM_FWD) else None
-  return OpRegion(name, scope, _user_defaults.get(name), cast_to)
+  if not name.startswith(_CUSTOM_FWD):
+    return OpRegion(name, scope, _user_defaults.get(name))
+  device_type, _, dtype = name[len(_CUSTOM_FWD) :].rpartition(":")
+  return OpRegion(name, scope, None, np.dtype(jnp.dtype(dtype)), device_type or None)
 
 
 @caches.lru_cache("regions.library_ops", maxsize=4096)

@@ -452,8 +452,8 @@ def op_ruling(call: op_calls.OpCall) -> Ruling:
 
 def _convert_in_op(eqn, env: Env, ctx: Context) -> Applied:
   """Inside a float32 op, the library's own casts (``jnp.sum``'s upcast-then-restore, an
-  identity matrix made in the input's dtype) stay in float32; the caller's explicit 16-bit
-  ``dtype=`` is kept."""
+  identity matrix made in the input's dtype) stay in float32. A caller's ``dtype=`` makes the
+  call another op, its ``[dtype]`` variant (``op_calls``), which runs as traced."""
   call, new_dtype = env.call, eqn.params["new_dtype"]
   if call.category is Category.LOWER and _drops_weak_type_only(eqn):
     value = entering_op(eqn, env, ctx)[0]  # a weakly typed slope made strong: no dtype request
@@ -464,9 +464,8 @@ def _convert_in_op(eqn, env: Env, ctx: Context) -> Applied:
     or not casting.is_eligible(new_dtype)
   ):
     return op_entry(eqn, env, ctx)
-  target = new_dtype if _is_explicit_dtype(eqn, env, call.instance) else jnp.dtype(jnp.float32)
   source = eqn.invars[0]
-  return Applied([env.cast(source, target)], op_ruling(call), [env.read(source)])
+  return Applied([env.cast(source, jnp.float32)], op_ruling(call), [env.read(source)])
 
 
 def _drops_weak_type_only(eqn) -> bool:
@@ -474,19 +473,6 @@ def _drops_weak_type_only(eqn) -> bool:
   an array): its dtype was the target's when traced."""
   source = eqn.invars[0]
   return source.aval.weak_type and source.aval.dtype == eqn.params["new_dtype"]
-
-
-def _is_explicit_dtype(eqn, env: Env, instance: str) -> bool:
-  """Whether a cast inside a float32 op is the caller's ``dtype=``: a narrowing cast of a value
-  entering the op (``jnp.sum(x, dtype=jnp.float16)``), not the op's own restoring cast."""
-  source = eqn.invars[0]
-  if (
-    compat.is_literal(source)
-    or eqn.params["new_dtype"] not in LOW_DTYPES
-    or source.aval.dtype != jnp.float32
-  ):
-    return False
-  return env.region.get(env.facts.root(source)) != instance
 
 
 # A dot of operands rounded to 16 bits with a float32 result, lowered for XLA:CPU as the float32
@@ -568,15 +554,20 @@ def bind_native(eqn, env: Env, invals: list) -> tuple[list, list]:
       )
   outs = weight_grads.bind(eqn, env, invals, params)  # float32 grads of cast-down operands
   if rounded_to is not None:
-    outs = [_round(out, rounded_to) for out in outs]
+    outs = [
+      _round(out, rounded_to, env.facts.is_selected(var))
+      for out, var in zip(outs, eqn.outvars, strict=True)
+    ]
   return outs, invals
 
 
-def _round(value, dtype: np.dtype) -> Any:
-  """A float32 result of a scalar op computed in float32, rounded to the 16-bit ``dtype``."""
+def _round(value, dtype: np.dtype, saturate: bool) -> Any:
+  """A float32 result of a scalar op computed in float32, rounded to the 16-bit ``dtype``;
+  one read only as a ``jnp.where`` branch (``saturate``: a mask's fill, ``scores - 1e9``)
+  clipped to its range, as fills are."""
   if compat.typeof(value).dtype != jnp.float32:
     return value  # a comparison's booleans
-  return casting.convert(value, dtype)
+  return casting.saturating_convert(value, dtype) if saturate else casting.convert(value, dtype)
 
 
 def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:

@@ -559,11 +559,12 @@ def custom_fwd(
   to it and the function body runs with autocast disabled; outside autocast nothing changes.
   Decorating a custom_vjp's ``fwd`` rule (torch's spelling) or its primal (JAX's) makes the whole
   custom_vjp that region: primal and ``fwd`` run on the cast inputs with autocast off, and a
-  ``custom_bwd`` backward runs with autocast off too, as torch's does. Without ``cast_inputs``,
-  the body is autocast like any other code.
+  ``custom_bwd`` backward runs with autocast off too, as torch's does. With ``device_type``, only
+  under a policy of that device type (torch casts only where that device's autocast is on);
+  under another the body is autocast like any other code, as it is without ``cast_inputs``.
   """
   if device_type is not None:
-    policy_lib.get_table(device_type)  # torch's signature; validated, the cast applies everywhere
+    device_type = policy_lib.get_table(device_type).device_type  # "gpu" is "cuda"
   if fun is None:
     return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
   if _is_dtype(fun):
@@ -579,7 +580,7 @@ def custom_fwd(
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    with regions.op_region(regions.custom_fwd_name(target)):
+    with regions.op_region(regions.custom_fwd_name(target, device_type)):
       return fun(*args, **kwargs)
 
   return wrapped

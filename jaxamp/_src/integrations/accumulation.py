@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._src.scaler import loss_scale
+
 
 def multi_steps(
   inner: optax.GradientTransformation, every_k_schedule
@@ -58,4 +60,4 @@ def _unless_emitted(emitted: jax.Array, update: jax.Array) -> jax.Array:
   """-0.0 on micro-steps, where MultiSteps gives +0.0: ``param + -0.0`` is ``param`` bit for bit."""
   if not jnp.issubdtype(update.dtype, jnp.inexact):
     return update
-  return jnp.where(emitted, update, jnp.array(-0.0, update.dtype))
+  return jnp.where(emitted, update, loss_scale.no_op_fill(update.dtype))

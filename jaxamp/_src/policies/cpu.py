@@ -231,6 +231,8 @@ ROWS = (
   *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
   *shared.DATA_MOVEMENT,
   *shared.RANDOM_DRAWS,
+  *shared.EXPLICIT_DTYPE,
+  *shared.PARAMETER_CREATION,
   *shared.ROUND_IN_FLOAT32,
   # --- promote to the widest input type -------------------------------------------------------
   Row(("cat", "stack"), P, primitives=(prims.concatenate_p,)),

@@ -133,6 +133,8 @@ ROWS = (
   *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
   *shared.DATA_MOVEMENT,
   *shared.RANDOM_DRAWS,
+  *shared.EXPLICIT_DTYPE,
+  *shared.PARAMETER_CREATION,
   *shared.ROUND_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
   # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------

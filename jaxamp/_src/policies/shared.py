@@ -135,6 +135,24 @@ RANDOM_DRAWS = (
   ),
 )
 
+# Ops called with an explicit ``dtype=`` are not eligible (torch's op reference): they compute in
+# and return that dtype. A reduction or scan whose floating result has a dtype none of its
+# floating inputs has was given one (``op_calls``: the variant ``[dtype]``); JAX's var and std
+# take ``dtype=`` too. A request equal to the traced input's dtype leaves no trace to find.
+EXPLICIT_DTYPE_OPS = ("sum", "prod", "mean", "var", "std", "cumsum", "cumprod")
+EXPLICIT_DTYPE = (
+  Row(
+    tuple(f"{op}(dtype=...)" for op in EXPLICIT_DTYPE_OPS),
+    Category.NATIVE,
+    ops=tuple(f"{op}[dtype]" for op in EXPLICIT_DTYPE_OPS),
+  ),
+)
+
+# Parameters are created outside autocast in torch (``nn.Module.__init__``); flax linen's
+# ``Module.init`` runs the forward to create them, and a data-dependent initializer (weight
+# norm's bias from a first batch) computed under a policy would leave 16-bit master weights.
+PARAMETER_CREATION = (Row(("nn.Module.__init__",), Category.NATIVE, ops=("module_init",)),)
+
 # Ops that select or move values, which torch returns in their input's dtype whatever JAX computes
 # them with. lax.conv_general_dilated_patches (torch's unfold, im2col) convolves with a one-hot
 # kernel made in the traced dtype: exact in float32, it returns the input's dtype. jnp.median is

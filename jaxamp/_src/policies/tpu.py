@@ -139,6 +139,8 @@ ROWS = (
   *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
   *shared.DATA_MOVEMENT,
   *shared.RANDOM_DRAWS,
+  *shared.EXPLICIT_DTYPE,
+  *shared.PARAMETER_CREATION,
   *shared.ROUND_IN_FLOAT32,
   Row(shared.UPSAMPLE_OPS, F_IN, ops=("upsample",)),
   # --- unlisted single kernels: they run in their inputs' dtype -------------------------------

@@ -369,9 +369,19 @@ def _no_op_update(shape: Any) -> jax.Array:
   """The update of a skipped step: -0.0, for ``param + -0.0`` is ``param`` bit for bit (``+0.0``
   would turn a ``-0.0`` parameter into ``+0.0``). Sharded like ``shape`` (an Explicit mesh types
   it) and varying over the manual axes it varies over."""
-  fill = -0.0 if jnp.issubdtype(shape.dtype, jnp.inexact) else 0
-  update = lax.full(shape.shape, fill, shape.dtype, sharding=getattr(shape, "sharding", None))
+  update = lax.full(
+    shape.shape, no_op_fill(shape.dtype), shape.dtype, sharding=getattr(shape, "sharding", None)
+  )
   return _vary_like(update, shape)
+
+
+def no_op_fill(dtype: Any) -> np.generic:
+  """The ``dtype`` value that adds to any parameter without changing a bit: -0.0, with a -0.0
+  imaginary part for complex dtypes (a +0.0 one turns a -0.0 imaginary part into +0.0); integer
+  zero."""
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return np.asarray(complex(-0.0, -0.0), dtype)[()]
+  return np.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)[()]
 
 
 def _aval(x: Any) -> Any:
@@ -552,7 +562,9 @@ def dynamic_loss_scale(
     forwards the extra arguments to ``inner``, except ``found_inf``: passing the ``found_inf``
     returned by ``unscale`` says that ``grads`` are already unscaled (torch's ``unscale_`` before
     ``step``), so ``update`` neither unscales nor checks them again and skips the step exactly when
-    ``found_inf`` is true.
+    ``found_inf`` is true; and ``new_scale`` (a float or 1-element float32 array): torch's
+    ``step(); update(new_scale)``, the step as usual and then the scale set to ``new_scale`` in
+    place of growing or backing off, the growth tracker untouched.
   """
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
@@ -577,7 +589,7 @@ def dynamic_loss_scale(
       growth_tracker=jnp.zeros([], jnp.int32),
       found_inf=jnp.array(False),
       skipped_steps=jnp.zeros([], jnp.int32),
-      inner_state=inner.init(params),
+      inner_state=_inner_init(inner, params),
       hyperparams=hyperparams,
     )
 
@@ -587,6 +599,7 @@ def dynamic_loss_scale(
     params: optax.Params | None = None,
     *,
     found_inf: Any = None,
+    new_scale: Any = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, DynamicLossScaleState]:
     if not isinstance(state, DynamicLossScaleState):
@@ -595,6 +608,8 @@ def dynamic_loss_scale(
         f"{type(state).__name__}; initialise with the dynamic_loss_scale wrapper, not the "
         "inner optimizer."
       )
+    if new_scale is not None:
+      new_scale = checks.as_new_scale(new_scale)
     if not state.hyperparams.enabled:  # found_inf is ignored: unscale returned False
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
@@ -624,9 +639,13 @@ def dynamic_loss_scale(
     new_updates, inner_state = _skip_if(
       found_inf, do_update, state.inner_state, _opaque_one(state.scale)
     )
-    scale, growth_tracker = _next_scale(
-      state.scale, state.growth_tracker, found_inf, state.hyperparams
-    )
+    if new_scale is None:
+      scale, growth_tracker = _next_scale(
+        state.scale, state.growth_tracker, found_inf, state.hyperparams
+      )
+    else:  # torch's update(new_scale): the scale given, the growth tracker untouched
+      scale = jnp.broadcast_to(jnp.asarray(new_scale, jnp.float32), jnp.shape(state.scale))
+      growth_tracker = state.growth_tracker
     return new_updates, DynamicLossScaleState(
       scale=scale,
       growth_tracker=growth_tracker,
@@ -639,6 +658,20 @@ def dynamic_loss_scale(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _inner_init(inner: optax.GradientTransformation, params: optax.Params) -> optax.OptState:
+  """``inner``'s state; a ValueError if it holds a loss scaler already (every update would be
+  unscaled twice, by each scaler, and come out ``scale`` times too small)."""
+  state = inner.init(params)
+  is_scaler = lambda x: isinstance(x, DynamicLossScaleState)
+  if any(is_scaler(x) for x in jax.tree.leaves(state, is_leaf=is_scaler)):
+    raise ValueError(
+      "dynamic_loss_scale wraps an optimizer that holds a dynamic_loss_scale already: every "
+      "update would be unscaled twice. Wrap the optimizer once, outermost: "
+      "jaxamp.dynamic_loss_scale(optax.chain(...)), as torch has one GradScaler per model."
+    )
+  return state
 
 
 _LINE_SEARCH_MESSAGE = (
