@@ -156,3 +156,10 @@ def test_explain_names_the_explicit_precision():
   fun = lambda x, w: jnp.dot(x, w, precision=lax.Precision.HIGHEST)
   report = str(jaxamp.explain(fun, device_type="cpu")(XS, WS))
   assert "explicit precision" in report
+
+
+def test_explain_names_the_explicit_dtype_row_and_its_torch_ops():
+  fun = lambda x: jnp.sum(x, dtype=jnp.float32)
+  decisions = jaxamp.explain(fun, device_type="cpu")(LOW_INPUT).decisions
+  assert {d.op for d in decisions} == {"sum[dtype]"}
+  assert all("sum(dtype=...)" in d.torch_ops for d in decisions)

@@ -187,6 +187,12 @@ def test_scores_shifted_by_a_large_constant_and_returned_overflow_as_in_torch():
   assert bool(jnp.isneginf(fun(X[0], X[0].T)).all())
 
 
+def test_a_where_branch_scaled_by_a_large_constant_overflows_as_in_torch():
+  # A product is an activation, not a fill: torch's float16 scores * 1e5 overflows.
+  fun = jaxamp.autocast(lambda x, w: jnp.where(x @ w > 0, x @ w, (x @ w) * 1e5), device_type="cuda")
+  assert bool(jnp.isinf(fun(X[0], X[0].T)).any())
+
+
 # --- additive masks: a mask added to the scores is not a bias -------------------------------
 
 PAIR = jnp.array([[1, 1, 0, 0]] * 2 + [[0, 0, 0, 0]] * 2, bool)  # rows 2, 3: fully masked

@@ -42,11 +42,13 @@ ACCUMULATING_OPS = frozenset({"scaled_dot_product_attention"})
 
 
 class OpCall(NamedTuple):
-  """One call of an op region: the region, the instance telling calls apart, its category."""
+  """One call of an op region: the region, the instance telling calls apart, its category, and
+  the table key that gave it (a variant's, ``avg_pool[3d]``; None for the region's name)."""
 
   region: regions.OpRegion
   instance: str
   category: Category
+  row: str | None = None
 
 
 def op_category(
@@ -213,7 +215,10 @@ def op_calls(
         category = op_category(op, eqn_policy, variant)
         if category is None:
           continue
-        call = OpCall(op, f"{op.instance}#{next(numbers)}", category)
+        row = f"{op.name}[{variant}]" if variant is not None else None
+        if row not in eqn_policy.table.op_categories:
+          row = None
+        call = OpCall(op, f"{op.instance}#{next(numbers)}", category, row)
         produced = set()
       site, position = op.instance, at
       produced.update(eqn.outvars)

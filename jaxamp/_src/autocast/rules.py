@@ -447,7 +447,7 @@ def _bind_in_op(eqn, env: Env, invals: list) -> Applied:
 
 
 def op_ruling(call: op_calls.OpCall) -> Ruling:
-  return Ruling(Decider.OP, call.category, call.region.name)
+  return Ruling(Decider.OP, call.category, call.row or call.region.name)
 
 
 def _convert_in_op(eqn, env: Env, ctx: Context) -> Applied:
@@ -554,17 +554,23 @@ def bind_native(eqn, env: Env, invals: list) -> tuple[list, list]:
       )
   outs = weight_grads.bind(eqn, env, invals, params)  # float32 grads of cast-down operands
   if rounded_to is not None:
+    shift = eqn.primitive in SHIFTS
     outs = [
-      _round(out, rounded_to, env.facts.is_selected(var))
+      _round(out, rounded_to, shift and env.facts.is_selected(var))
       for out, var in zip(outs, eqn.outvars, strict=True)
     ]
   return outs, invals
 
 
+# A shift by a constant too large for 16 bits that is only ever a ``jnp.where`` branch is a mask's
+# fill (Keras's ``where(padding, scores - 1e9, scores)``, whose shift is 65504 where its scores
+# are float16 at run time): it saturates, as fills do. A product overflows, as in torch.
+SHIFTS = frozenset({prims.add_p, prims.sub_p})
+
+
 def _round(value, dtype: np.dtype, saturate: bool) -> Any:
   """A float32 result of a scalar op computed in float32, rounded to the 16-bit ``dtype``;
-  one read only as a ``jnp.where`` branch (``saturate``: a mask's fill, ``scores - 1e9``)
-  clipped to its range, as fills are."""
+  a mask's fill (``saturate``, ``SHIFTS``) clipped to its range."""
   if compat.typeof(value).dtype != jnp.float32:
     return value  # a comparison's booleans
   return casting.saturating_convert(value, dtype) if saturate else casting.convert(value, dtype)
