@@ -105,7 +105,7 @@ class Provenance:
     self.masks: set[Any] = set()
     self.dims: dict[Any, Dims] = {}
     self.constants: dict[Any, Any] = {}
-    self.selected: frozenset = frozenset()
+    self.selected: set[Any] = set()
 
   def root(self, atom) -> Any:
     return self.source.get(atom, atom)

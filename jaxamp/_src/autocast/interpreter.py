@@ -61,7 +61,7 @@ def evaluate(
     (var, value) for var, value in zip(jaxpr.invars, constants, strict=False) if value is not None
   )
   env.facts.activations.update(dataflow.body_activations(jaxpr))
-  env.facts.selected |= dataflow.body_selected(jaxpr)
+  env.facts.selected.update(dataflow.body_selected(jaxpr))
   last_read = _last_reads(jaxpr)
   last_use = _dying_at(last_read, len(jaxpr.eqns))
   marks = [regions.marks_of(eqn) for eqn in jaxpr.eqns]

@@ -126,11 +126,9 @@ def _call_span(eqns, marks: Sequence[regions.Marks], start: int, op: regions.OpR
   in ``op``'s instance and their position inside it moves on (``op_calls``' grouping)."""
   span, position, produced = [], None, set()
   for eqn, eqn_marks in zip(eqns[start:], marks[start:], strict=True):
-    at = next(
-      (a for o, a in zip(eqn_marks.ops, eqn_marks.positions, strict=True) if o == op), _NOT_IN
-    )
-    if at is _NOT_IN:
+    if op not in eqn_marks.ops:
       break
+    at = eqn_marks.positions[eqn_marks.ops.index(op)]
     moves_on = at is None or position is None or at > position
     if span and not moves_on and not _reads_any(eqn, produced):
       break
@@ -138,9 +136,6 @@ def _call_span(eqns, marks: Sequence[regions.Marks], start: int, op: regions.OpR
     position = at
     produced.update(eqn.outvars)
   return span
-
-
-_NOT_IN = object()
 
 
 def _sets_result_dtype(eqns) -> bool:
@@ -215,9 +210,7 @@ def op_calls(
         category = op_category(op, eqn_policy, variant)
         if category is None:
           continue
-        row = f"{op.name}[{variant}]" if variant is not None else None
-        if row not in eqn_policy.table.op_categories:
-          row = None
+        row = eqn_policy.op_row(op.name, variant)
         call = OpCall(op, f"{op.instance}#{next(numbers)}", category, row)
         produced = set()
       site, position = op.instance, at

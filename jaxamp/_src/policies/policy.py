@@ -124,11 +124,15 @@ class Policy:
     None means the op is a plain composition here (torch decomposes it into listed ops, like
     ``tensordot`` into ``mm`` on CPU): its primitives follow their own rules.
     """
-    categories = self.table.op_categories
-    category = categories.get(f"{name}[{variant}]") if variant is not None else None
-    if category is None:
-      category = categories.get(name)
+    category = self.table.op_categories.get(self.op_row(name, variant))
     return category if category is not None else default
+
+  def op_row(self, name: str, variant: str | None = None) -> str:
+    """The table key deciding op ``name`` called as ``variant``: ``name[variant]`` where a row
+    lists it, else ``name``."""
+    if variant is not None and f"{name}[{variant}]" in self.table.op_categories:
+      return f"{name}[{variant}]"
+    return name
 
 
 # Device type -> its table: every table jaxamp has, one per module of ``tables/``.

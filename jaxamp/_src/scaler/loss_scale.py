@@ -30,6 +30,7 @@ import optax
 from jax import lax
 
 from jaxamp._src import compat
+from jaxamp._src.integrations import state_tree
 from jaxamp._src.scaler import checks, exact_f64
 
 # ------------------------------------------------------------------------------------------------
@@ -664,8 +665,7 @@ def _inner_init(inner: optax.GradientTransformation, params: optax.Params) -> op
   """``inner``'s state; a ValueError if it holds a loss scaler already (every update would be
   unscaled twice, by each scaler, and come out ``scale`` times too small)."""
   state = inner.init(params)
-  is_scaler = lambda x: isinstance(x, DynamicLossScaleState)
-  if any(is_scaler(x) for x in jax.tree.leaves(state, is_leaf=is_scaler)):
+  if state_tree.tree_find_nodes(state, DynamicLossScaleState):
     raise ValueError(
       "dynamic_loss_scale wraps an optimizer that holds a dynamic_loss_scale already: every "
       "update would be unscaled twice. Wrap the optimizer once, outermost: "
