@@ -1157,6 +1157,75 @@ def _attention_cases() -> list[dict[str, Any]]:
   return [sdpa("sdpa_long", 3, 256), sdpa("sdpa_large_logits", 100, 8)]
 
 
+def _operand_kind_cases() -> list[dict[str, Any]]:
+  # Python scalars yield to a 0-dim tensor, integer tensors to a float one of any rank, and
+  # torch's einsum and linalg_vecdot of two vectors are matmuls (its dot is not listed).
+  top = "torch.mm(a, b).amax()"
+  lengths = inp("classes:1-9", 4, dtype="int64")
+  u, v = inp("normal", 8), inp("normal", 8)
+  return [
+    case(
+      "where_0dim_or_scalar", f"torch.where({top} > 0, {top}, 0.0)", "unlisted", "where", a=A, b=B
+    ),
+    case("clamp_0dim", f"torch.clamp({top}, 0.0, 1.0)", "unlisted", "clamp", a=A, b=B),
+    case("nan_to_num_0dim", f"torch.nan_to_num({top})", "unlisted", "nan_to_num", a=A, b=B),
+    case(
+      "mm_sum_over_int_lengths",
+      "torch.mm(a, b).sum(1) / n",
+      "unlisted",
+      "div",
+      a=A,
+      b=B,
+      n=lengths,
+    ),
+    case("mm_plus_arange", "torch.mm(a, b) + torch.arange(5)", "unlisted", "add", a=A, b=B),
+    case(
+      "mm_times_int_column", "torch.mm(a, b) * n[:, None]", "unlisted", "mul", a=A, b=B, n=lengths
+    ),
+    case("vecdot_of_vectors", "torch.linalg.vecdot(u, v)", "lower", "linalg_vecdot", u=u, v=v),
+    case("einsum_of_vectors", "torch.einsum('i,i->', u, v)", "lower", "matmul", u=u, v=v),
+    case(
+      "int_sum_to_bfloat16",
+      "torch.sum(n, dtype=torch.bfloat16)",
+      "unlisted",
+      "sum",
+      n=inp("ints", 4, 8, dtype="int64"),
+    ),
+    case(
+      "mm_times_tril_of_ones_like",
+      "torch.mm(a, b) * torch.tril(torch.ones_like(torch.mm(a, b)))",
+      "unlisted",
+      "mul",
+      a=A,
+      b=B,
+    ),
+    case(
+      "mm_over_cumsum_of_ones_like",
+      "torch.mm(a, b) / torch.cumsum(torch.ones_like(torch.mm(a, b)), 1)",
+      "unlisted",
+      "div",
+      a=A,
+      b=B,
+    ),
+    case(
+      "mm_plus_twice_zeros_like",
+      "torch.mm(a, b) + 2 * torch.zeros_like(torch.mm(a, b))",
+      "unlisted",
+      "add",
+      a=A,
+      b=B,
+    ),
+    case(
+      "cat_slice_of_zeros_like",
+      "torch.cat([torch.zeros_like(torch.mm(a, b))[:1], torch.mm(a, b)[1:]])",
+      "promote",
+      "cat",
+      a=A,
+      b=B,
+    ),
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
@@ -1170,6 +1239,7 @@ def all_cases() -> list[dict[str, Any]]:
     + _fill_cases()
     + _accumulation_cases()
     + _attention_cases()
+    + _operand_kind_cases()
   )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 import threading
 import types
 import weakref
@@ -62,6 +63,8 @@ def _ref(obj: Any, by_identity: bool) -> _Ref:
 
 
 def _on_death(ref: _Ref) -> None:
+  if sys.is_finalizing():  # at shutdown, hashing a dead key can need torn-down modules
+    return
   for cache in _caches or ():  # None at interpreter shutdown
     cache._object_died(ref)
 

@@ -396,8 +396,12 @@ def is_whole_read(eqn) -> bool:
 
 
 def is_ref(value) -> bool:
-  """Whether ``value`` is a mutable array reference (``jax.new_ref``), whose dtype is fixed."""
-  return isinstance(typeof(value), _state_types.AbstractRef)
+  """Whether ``value`` is a mutable array reference (``jax.new_ref``), whose dtype is fixed; not
+  for any other value, a pytree (an nnx Variable's sown tuple) included."""
+  try:
+    return isinstance(typeof(value), _state_types.AbstractRef)
+  except TypeError:
+    return False
 
 
 def aval_with_dtype(aval, dtype):

@@ -403,3 +403,24 @@ def test_a_category_registered_later_reaches_ops_already_looked_up(spelling):
   assert all(_has_float16_dot_now(f, x) for f in fs)  # no category: the dot follows its own rule
   jaxamp.register_op(name, category="float32")
   assert not any(_has_float16_dot_now(f, x) for f in fs)
+
+
+@pytest.mark.slow
+def test_a_cached_nnx_bridge_module_alive_at_exit_prints_nothing():
+  # its key holds a linen module, whose hash needs module globals torn down at shutdown
+  import subprocess
+  import sys
+
+  script = """
+import jax.numpy as jnp, jaxamp, flax.linen as nn
+from flax import nnx
+from flax.nnx import bridge
+model = bridge.ToNNX(nn.Dense(8), rngs=nnx.Rngs(0))
+bridge.lazy_init(model, jnp.ones((4, 8)))
+print(jaxamp.autocast(model, device_type="cpu")(jnp.ones((4, 8))).dtype)
+"""
+  done = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+  )
+  assert done.stdout.strip() == "bfloat16"
+  assert "Exception ignored" not in done.stderr

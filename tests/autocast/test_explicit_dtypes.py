@@ -163,3 +163,27 @@ def test_explain_names_the_explicit_dtype_row_and_its_torch_ops():
   decisions = jaxamp.explain(fun, device_type="cpu")(LOW_INPUT).decisions
   assert {d.op for d in decisions} == {"sum[dtype]"}
   assert all("sum(dtype=...)" in d.torch_ops for d in decisions)
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("name", ["mean", "sum", "var", "std"])
+def test_a_reduction_with_where_and_dtype_returns_the_dtype(device_type, name):
+  # jnp.mean(where=) counts the selected elements apart from summing them: one call still
+  mask = X > 0
+  reduce = getattr(jnp, name)
+  fun = jaxamp.autocast(
+    lambda x, w, m: reduce(x @ w, where=m, dtype=jnp.float16), device_type=device_type
+  )
+  assert fun(X, W, mask).dtype == jnp.float16
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("name", ["sum", "cumsum", "prod"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_an_integer_input_reduced_with_a_float_dtype_returns_that_dtype(device_type, name, dtype):
+  # torch.sum(int_tensor, dtype=torch.bfloat16) is bfloat16 under autocast: dtype= wins
+  counts = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+  fun = jaxamp.autocast(lambda n: getattr(jnp, name)(n, dtype=dtype), device_type=device_type)
+  out = fun(counts)
+  assert out.dtype == dtype
+  np.testing.assert_array_equal(out, getattr(jnp, name)(counts, dtype=dtype))

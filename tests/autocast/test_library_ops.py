@@ -232,6 +232,11 @@ EXAMPLES = {
     (X, X * 0.5, X[::-1]),
   ),
   ("flax.linen", "Module.init"): (lambda x: nn.Dense(3).init(KEY, x), (X,)),
+  ("flax.linen", "Module.init_with_output"): (
+    lambda x: nn.Dense(3).init_with_output(KEY, x)[1],
+    (X,),
+  ),
+  ("flax.linen", "Module.lazy_init"): (lambda x: nn.Dense(3).lazy_init(KEY, x), (X,)),
   ("flax.linen", "LayerNorm.__call__"): linen(nn.LayerNorm(), X),
   ("flax.linen", "GroupNorm.__call__"): linen(nn.GroupNorm(num_groups=2), X),
   ("flax.linen", "BatchNorm.__call__"): linen(

@@ -116,6 +116,23 @@ def test_a_position_moving_on_at_one_site_stays_in_the_call():
   assert numbered_calls(eqns, [marked(10), marked(20)]) == ["sum@site#0", "sum@site#0"]
 
 
+def test_a_part_computed_apart_and_read_by_a_later_eqn_stays_in_the_call():
+  # jnp.mean(x, where=m) is an inlined jit: all its eqns have one position; the count of the
+  # where= elements is computed apart from the sum and read by the final division.
+  eqns = jax.make_jaxpr(lambda x: jnp.exp(x) + jnp.sin(x))(X).jaxpr.eqns
+  assert numbered_calls(eqns, [marked(10)] * 3) == ["sum@site#0"] * 3
+
+
+def test_a_part_nothing_later_reads_starts_the_next_call():
+  eqns = jax.make_jaxpr(lambda x: (jnp.exp(x), jnp.cos(jnp.sin(x))))(X).jaxpr.eqns
+  assert numbered_calls(eqns, [marked(10)] * 3) == ["sum@site#0", "sum@site#1", "sum@site#1"]
+
+
+def test_the_calls_of_an_inlined_op_from_one_site_in_a_loop_are_apart():
+  _, calls = calls_of(lambda x: [jnp.mean(x[i], where=x[i] > 0) for i in range(2)], X)
+  assert len(set(instances(calls)) - {None}) == 2
+
+
 def test_another_site_starts_another_call():
   eqns = jax.make_jaxpr(lambda x: jnp.sin(jnp.exp(x)))(X).jaxpr.eqns
   marks = [marked(10, "sum@a"), marked(20, "sum@b")]

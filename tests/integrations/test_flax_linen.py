@@ -457,3 +457,33 @@ def test_parameters_an_autocast_init_creates_are_those_of_a_float32_init(device_
   expected = DataDependentInit().init(KEY, x)
   assert jax.tree.map(lambda a: a.dtype, created) == jax.tree.map(lambda a: a.dtype, expected)
   assert_tree_close(created, expected, 1e-6)
+
+
+class NormBlock(nn.Module):
+  """Norm layers whose parameters and statistics are created inside their op regions."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.LayerNorm()(nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x)))
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+@pytest.mark.parametrize("method", ["init", "init_with_output", "lazy_init"])
+def test_every_linen_init_method_creates_float32_parameters(device_type, low, method):
+  x = jnp.arange(32.0).reshape(4, 8) / 8
+  init = jaxamp.autocast(getattr(NormBlock(), method), device_type=device_type)
+  created = init(KEY, x)
+  created = created[1] if method == "init_with_output" else created
+  assert {leaf.dtype for leaf in jax.tree.leaves(created)} == {F32}
+
+
+@pytest.mark.parametrize("device_type,low", POLICIES)
+def test_an_nnx_bridge_lazy_init_under_autocast_creates_float32_state(device_type, low):
+  from flax import nnx
+  from flax.nnx import bridge
+
+  model = bridge.ToNNX(NormBlock(), rngs=nnx.Rngs(0))
+  x = jnp.arange(32.0).reshape(4, 8) / 8
+  jaxamp.autocast(lambda m, x: bridge.lazy_init(m, x) and None, device_type=device_type)(model, x)
+  state = nnx.state(model, nnx.Param, nnx.BatchStat)
+  assert {leaf.dtype for leaf in jax.tree.leaves(state)} == {F32}

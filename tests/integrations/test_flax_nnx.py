@@ -325,3 +325,30 @@ def test_a_linear_kept_as_hijax_types_runs_under_jax_jit():
   linear = _kept_as("hijax", lambda: nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
   out = jax.jit(jaxamp.autocast(lambda m, x: m(x), device_type="cpu"))(linear, ROWS)
   assert out.dtype == jnp.bfloat16
+
+
+class SowingBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.linear(x)
+    self.sow(nnx.Intermediate, "hidden", h)
+    return jax.nn.relu(h)
+
+
+def test_an_autocast_submodule_sows_its_intermediates_as_in_nnx():
+  # a sown Variable holds a tuple: not an array, nor a Ref
+  model = nnx.Sequential(SowingBlock(nnx.Rngs(0)), nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+  model.layers[0] = jaxamp.autocast(model.layers[0], device_type="cpu")
+  out, sown = nnx.capture(model, nnx.Intermediate)(ROWS)
+  (hidden,) = jax.tree.leaves(sown)
+  assert out.dtype == F32 and hidden.dtype == jnp.bfloat16 and hidden.shape == (4, 8)
+
+
+def test_a_module_with_a_dict_valued_variable_runs():
+  linear = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  linear.meta = nnx.Variable({"scale": jnp.ones(2)})
+  out = jaxamp.autocast(linear, device_type="cpu")(ROWS)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(out, linear(ROWS), rtol=2e-2, atol=2e-2)

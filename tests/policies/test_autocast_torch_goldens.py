@@ -391,6 +391,19 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   ),
   "sdpa_long": _sdpa,
   "sdpa_large_logits": _sdpa,
+  "where_0dim_or_scalar": lambda a, b: jnp.where((a @ b).max() > 0, (a @ b).max(), 0.0),
+  "clamp_0dim": lambda a, b: jnp.clip((a @ b).max(), 0.0, 1.0),
+  "nan_to_num_0dim": lambda a, b: jnp.nan_to_num((a @ b).max()),
+  "mm_sum_over_int_lengths": lambda a, b, n: (a @ b).sum(1) / n,
+  "mm_plus_arange": lambda a, b: a @ b + jnp.arange(5),
+  "mm_times_int_column": lambda a, b, n: (a @ b) * n[:, None],
+  "vecdot_of_vectors": jnp.linalg.vecdot,
+  "einsum_of_vectors": lambda u, v: jnp.einsum("i,i->", u, v),
+  "int_sum_to_bfloat16": lambda n: jnp.sum(n, dtype=jnp.bfloat16),
+  "mm_times_tril_of_ones_like": lambda a, b: (a @ b) * jnp.tril(jnp.ones_like(a @ b)),
+  "mm_over_cumsum_of_ones_like": lambda a, b: (a @ b) / jnp.cumsum(jnp.ones_like(a @ b), 1),
+  "mm_plus_twice_zeros_like": lambda a, b: (a @ b) + 2 * jnp.zeros_like(a @ b),
+  "cat_slice_of_zeros_like": lambda a, b: jnp.concatenate([jnp.zeros_like(a @ b)[:1], (a @ b)[1:]]),
 }
 
 # The same cases through library functions autocast recognises (optax, jax.nn, flax).

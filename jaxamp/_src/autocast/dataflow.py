@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import caches, compat
@@ -87,7 +88,7 @@ class Provenance:
     fills: var -> the ``broadcast_in_dim`` of a literal that made it (remade in any dtype).
     likes: fills made by ``zeros_like`` & co, in the dtype of their prototype (``is_like``).
     masks: outputs of calls (a jit, a remat) that are boolean arrays converted to floats
-      inside (``jax.nn.one_hot``), for ``is_mask``.
+      inside (``jax.nn.one_hot``), for ``is_discrete``.
     dims: var -> what each of its dims varies along (``Dims``), for layout changes and
       matmul outputs; any other value varies along its own dims.
     constants: var -> its value, for rank-0 invars of a body that receive a Python scalar.
@@ -164,6 +165,17 @@ class Provenance:
       if source in self.likes:
         self.likes.update(eqn.outvars)
 
+  def note_like_flow(self, eqn) -> None:
+    """What is computed from ``*_like`` fills and Python scalars alone is like them: torch
+    computes it in the prototype's dtype (``jnp.tril(jnp.ones_like(h))``, a ``cumsum`` or
+    window sum of one, ``2 * jnp.zeros_like(h)``, a slice of one)."""
+    floats = [a for a in eqn.invars if _is_inexact(a)]
+    likes = [self.is_like(a) for a in floats]
+    if not any(likes):
+      return
+    if all(like or self.is_python_scalar(a) for a, like in zip(floats, likes, strict=True)):
+      self.likes.update(v for v in eqn.outvars if _is_inexact(v))
+
   def is_parameter(self, atom) -> bool:
     """Whether ``atom`` is (a layout change of) a parameter or constant: read, not computed,
     and read by nothing but adds here, as a bias is."""
@@ -189,6 +201,11 @@ class Provenance:
     source = self.source.get(atom)
     return atom in self.weak or source is not None and not source.aval.shape
 
+  def is_python_scalar(self, atom) -> bool:
+    """A literal, or a value known while tracing (``constant``): a body's invar that receives
+    one (``jnp.where(p, s, 0.0)``'s jit), and its casts and layout changes."""
+    return compat.is_literal(atom) or self.constant(atom) is not None
+
   def is_fill(self, atom) -> bool:
     """A weak value with dims made from a literal, not from a traced scalar: ``jnp.zeros``,
     ``full``, ``ones_like`` and their layout changes, or one passed into a body."""
@@ -196,15 +213,15 @@ class Provenance:
       return False
     return bool(self.root(atom).aval.shape) and self.is_weak(atom)
 
-  def is_mask(self, atom) -> bool:
-    """A boolean array converted to a float dtype (and layout changes of it): zeros and ones,
-    exact in every dtype. JAX converts a bool to the traced float32 to multiply it in
-    (``m * h``, Haiku's ``dropout``, ``h * m.astype(h.dtype)``); torch's bool tensor takes its
-    partner's dtype."""
+  def is_discrete(self, atom) -> bool:
+    """A boolean or integer array converted to a float dtype (and layout changes of it). JAX
+    converts it to the traced float32 to compute with a float (``m * h``, Haiku's ``dropout``,
+    ``h * m.astype(h.dtype)``, ``h.sum(1) / lengths``, ``h + jnp.arange(n)``); torch's bool and
+    integer tensors take their float partner's dtype, whatever their rank."""
     if compat.is_literal(atom):
       return False
     root = self.root(atom)
-    return root is not atom and root.aval.dtype == np.bool_ or root in self.masks
+    return root is not atom and is_discrete_dtype(root.aval.dtype) or root in self.masks
 
   def is_like(self, atom) -> bool:
     """A fill made by ``zeros_like``, ``ones_like``, ``full_like`` or ``empty_like`` (and layout
@@ -220,10 +237,11 @@ class Provenance:
 
   def follows_partner(self, eqn, position: int) -> bool:
     """Whether operand ``position`` of ``eqn`` takes its partner's dtype instead of promoting
-    it: a scalar, a mask (``is_mask``) and a ``*_like`` fill (``is_like``) always; another fill
+    it: a scalar, a converted boolean or integer array (``is_discrete``) and a ``*_like`` fill
+    (``is_like``) always; another fill
     only where torch takes a scalar (``FILL_AS_SCALAR``)."""
     atom = eqn.invars[position]
-    if self.is_mask(atom) or self.is_like(atom):
+    if self.is_discrete(atom) or self.is_like(atom):
       return True
     if not self.is_weak(atom):
       return False
@@ -387,14 +405,26 @@ def _called_body(eqn) -> Any | None:
   return bodies[0][0]
 
 
+def _is_inexact(atom) -> bool:
+  dtype = getattr(atom.aval, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def is_discrete_dtype(dtype) -> bool:
+  """Boolean or integer: what torch promotes to its float partner's dtype."""
+  return dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer)
+
+
 def mask_outputs(jaxpr) -> tuple[bool, ...]:
-  """Which outputs of ``jaxpr`` are boolean arrays converted to floats (``Provenance.is_mask``),
-  through layout changes, casts and the calls it makes."""
+  """Which outputs of ``jaxpr`` are boolean or integer arrays converted to floats
+  (``Provenance.is_discrete``), through layout changes, casts and the calls it makes."""
   masks = set()
   for eqn in jaxpr.eqns:
     if eqn.primitive in KEEPS_PROVENANCE:
       source = eqn.invars[0]
-      if not compat.is_literal(source) and (source in masks or source.aval.dtype == np.bool_):
+      if not compat.is_literal(source) and (
+        source in masks or is_discrete_dtype(source.aval.dtype)
+      ):
         masks.update(eqn.outvars)
       continue
     body = _called_body(eqn)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -69,16 +70,24 @@ def _weak_flags(avals) -> tuple[bool, ...]:
   return tuple(bool(getattr(aval, "weak_type", False)) for aval in avals)
 
 
-def known_constants(atoms, ctx: Context) -> tuple:
-  """The Python scalars among ``atoms`` that do not fit the policy's 16-bit dtype (None for
-  every other atom): inside the body they make arithmetic compute in float32, as outside
-  (``rules.SCALAR_OPMATH``). Scalars that fit change nothing and stay out of the cache key."""
-  constants = []
-  for atom in atoms:
-    fits = not compat.is_literal(atom) or atom.aval.shape
-    fits = fits or casting.fits(atom.val, ctx.policy.dtype)
-    constants.append(None if fits else float(atom.val))
-  return tuple(constants) if any(c is not None for c in constants) else ()
+def known_constants(atoms) -> tuple:
+  """The values of the Python scalars (rank-0 literals) among ``atoms`` (None for every other
+  atom): inside the body they stay scalars, which yield to a rank-0 tensor as torch's do
+  (``jnp.where(p, loss, 0.0)``), and one that does not fit the 16-bit dtype makes arithmetic
+  compute in float32, as outside (``rules.SCALAR_OPMATH``)."""
+  constants = tuple(_scalar_value(atom) for atom in atoms)
+  return constants if any(c is not None for c in constants) else ()
+
+
+def _scalar_value(atom) -> float | None:
+  """A real rank-0 literal's value (one NaN object for every NaN, so it keys a cache)."""
+  if not compat.is_literal(atom) or atom.aval.shape:
+    return None
+  dtype = atom.aval.dtype
+  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+    return None
+  value = float(atom.val)
+  return math.nan if math.isnan(value) else value
 
 
 def computed_inputs(env: Env, atoms) -> tuple[bool, ...]:
@@ -254,7 +263,7 @@ def _rewrite_call(closed, eqn, invals, env, ctx):
     ctx,
     path=sub_path(env.path, eqn),
     computed=inputs.computed,
-    constants=known_constants(eqn.invars, ctx),
+    constants=known_constants(eqn.invars),
   )
   return new
 

@@ -128,8 +128,11 @@ EAGER_OPS = (
 # dtype, which torch's kernel would make in the input's: as one op it returns the input's dtype.
 # Haiku's InstanceNorm is its LayerNorm's __call__, so it is a layer_norm, as it computes one.
 LAZY_OPS = (
-  # flax.linen; its Module.init creates the parameters, which torch does outside autocast
+  # flax.linen; its Module.init, init_with_output (which nnx.bridge.ToNNX's lazy_init calls)
+  # and lazy_init create the parameters, which torch does outside autocast
   ("flax.linen", "Module.init", "module_init"),
+  ("flax.linen", "Module.init_with_output", "module_init"),
+  ("flax.linen", "Module.lazy_init", "module_init"),
   ("flax.linen", "LayerNorm.__call__", "layer_norm"),
   ("flax.linen", "GroupNorm.__call__", "group_norm"),
   ("flax.linen", "BatchNorm.__call__", "batch_norm"),

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxamp._src import compat
 from jaxamp._src.autocast import casting, regions
+from jaxamp._src.policies import shared
 from jaxamp._src.policies.policy import Policy
 from jaxamp._src.policies.table import Category
 
@@ -24,12 +25,13 @@ from jaxamp._src.policies.table import Category
 STATEFUL_OPS = frozenset({"batch_norm"})
 
 # These FLOAT32_INSIDE ops run under ``jax.checkpoint`` when a 16-bit tensor enters them: torch's
-# softmax kernels save a 16-bit tensor (their output) for the backward, while differentiating
-# the float32 computation would keep its float32 ``exp``, twice the bytes. Recomputing the
-# elementwise inside costs little. Norms are not recomputed: their backward would recompute
-# ``x - mean`` over the whole activation, which cost more step time on XLA:CPU (+8-17% on the
-# benchmark conv net) than the float32 copies it saves are worth.
-RECOMPUTED_OPS = frozenset({"softmax", "log_softmax", "softmin"})
+# softmax kernels save a 16-bit tensor (their output) for the backward, and its activation
+# kernels their 16-bit input, while differentiating the float32 computation would keep its
+# float32 ``exp`` or ``tanh``, twice the bytes. Recomputing the elementwise inside costs little.
+# Norms are not recomputed: their backward would recompute ``x - mean`` over the whole
+# activation, which cost more step time on XLA:CPU (+8-17% on the benchmark conv net) than the
+# float32 copies it saves are worth.
+RECOMPUTED_OPS = frozenset({"softmax", "log_softmax", "softmin", *shared.ACTIVATION_OPS})
 
 # LOWER ops whose torch kernels take 16-bit inputs but compute in float32 inside: SDPA's flash
 # kernels (CUDA and CPU) multiply 16-bit operands with float32 accumulation, take the softmax of
@@ -103,45 +105,24 @@ LOGIT_OPS = frozenset({"log_sigmoid"})
 LOGIT_PRIMITIVES = frozenset({compat.primitives.logistic_p})
 
 
-def _call_variant(
-  eqns, marks: Sequence[regions.Marks], start: int, op: regions.OpRegion, policy: Policy
-) -> str | None:
-  """The variant of the call of ``op`` starting at ``eqns[start]``, for an op some row lists
-  with one: that of the pooling among its eqns, ``logits`` for a loss computed from logits, or
+def _call_variant(span, span_marks, op: regions.OpRegion, policy: Policy) -> str | None:
+  """The variant of the call of ``op`` made of the eqns ``span``, for an op some row lists with
+  one: that of the pooling among its eqns, ``logits`` for a loss computed from logits, or
   ``dtype`` for a call given an explicit dtype; None for none of these."""
-  if op.name not in policy.table.ops_with_variants:
-    return None
-  span = _call_span(eqns, marks, start, op)
-  for eqn, eqn_marks in span:
+  for eqn, eqn_marks in zip(span, span_marks, strict=True):
     dims = pooled_dims(eqn)
     if dims is not None:
       return pooling_variant(dims)
     if _takes_logits(eqn, eqn_marks):
       return "logits"
-  return "dtype" if _sets_result_dtype([eqn for eqn, _ in span]) else None
-
-
-def _call_span(eqns, marks: Sequence[regions.Marks], start: int, op: regions.OpRegion) -> list:
-  """The (eqn, marks) pairs of the call of ``op`` starting at ``eqns[start]``: on while they lie
-  in ``op``'s instance and their position inside it moves on (``op_calls``' grouping)."""
-  span, position, produced = [], None, set()
-  for eqn, eqn_marks in zip(eqns[start:], marks[start:], strict=True):
-    if op not in eqn_marks.ops:
-      break
-    at = eqn_marks.positions[eqn_marks.ops.index(op)]
-    moves_on = at is None or position is None or at > position
-    if span and not moves_on and not _reads_any(eqn, produced):
-      break
-    span.append((eqn, eqn_marks))
-    position = at
-    produced.update(eqn.outvars)
-  return span
+  return "dtype" if _sets_result_dtype(span) else None
 
 
 def _sets_result_dtype(eqns) -> bool:
-  """Whether the call made of ``eqns`` returns a floating dtype none of its floating inputs has:
-  JAX's reductions and scans given ``dtype=`` convert to it on entry and never back, while
-  without one they return their input's dtype (computing a 16-bit input in float32 inside)."""
+  """Whether the call made of ``eqns`` returns a floating dtype none of its floating inputs has
+  (an integer or boolean input's sum has none): JAX's reductions and scans given ``dtype=``
+  convert to it on entry and never back, while without one they return their input's dtype
+  (computing a 16-bit input in float32 inside)."""
   produced: set = set()
   entering = set()
   for eqn in eqns:
@@ -151,7 +132,7 @@ def _sets_result_dtype(eqns) -> bool:
     produced.update(eqn.outvars)
   entering.discard(None)
   results = {_floating_dtype(v) for v in eqns[-1].outvars} - {None}
-  return bool(entering) and bool(results) and results.isdisjoint(entering)
+  return bool(results) and results.isdisjoint(entering)
 
 
 def _floating_dtype(value) -> np.dtype | None:
@@ -183,47 +164,97 @@ def op_calls(
 
   Inside an op (``inside``) every eqn belongs to it. An op the table does not list is a plain
   composition (torch decomposes it into listed ops): the search goes on inward, and without any
-  listed op the eqn follows its primitive's rule. Consecutive eqns of one call site form one
-  call until an eqn that reads nothing the call computed comes at a position inside the op that
-  does not move on (the next call from the same site: a loop, a linen module's wrapper); any
-  other eqn in between ends the call. ``numbers`` numbers the calls. ``policies`` gives each
-  eqn its own policy (overrides by place); a change of policy ends a call.
+  listed op the eqn follows its primitive's rule. A call is a run of consecutive eqns of one
+  call site (``_call_stop``). ``numbers`` numbers the calls. ``policies`` gives each eqn its own
+  policy (overrides by place); a change of policy ends a call.
   """
   if inside is not None:
     return [inside] * len(marks)
-  calls: list[OpCall | None] = []
-  site, position, produced = None, None, set()  # of the current call
-  previous = policy
-  for index, (eqn, eqn_marks) in enumerate(zip(eqns, marks, strict=True)):
-    call = None
+  calls: list[OpCall | None] = [None] * len(eqns)
+  index = 0
+  while index < len(eqns):
     eqn_policy = policies[index] if policies is not None else policy
-    if eqn_policy is not previous:
-      site, previous = None, eqn_policy
-    for op, at in zip(eqn_marks.ops, eqn_marks.positions, strict=True):
-      if eqn_marks.kept:
-        continue
-      moves_on = at is None or position is None or at > position
-      if site == op.instance and (moves_on or _reads_any(eqn, produced)):
-        call = calls[-1]
-      else:
-        variant = _call_variant(eqns, marks, index, op, eqn_policy)
-        category = op_category(op, eqn_policy, variant)
-        if category is None:
-          continue
-        row = eqn_policy.op_row(op.name, variant)
-        call = OpCall(op, f"{op.instance}#{next(numbers)}", category, row)
-        produced = set()
-      site, position = op.instance, at
-      produced.update(eqn.outvars)
-      break
-    if call is None:
-      site = None
-    calls.append(call)
+    stop = index + 1
+    for op in () if marks[index].kept else marks[index].ops:
+      call, call_stop = _op_call(eqns, marks, policies, index, op, eqn_policy, numbers)
+      if call is not None:
+        stop = call_stop
+        calls[index:stop] = [call] * (stop - index)
+        break
+    index = stop
   return calls
 
 
-def _reads_any(eqn, values: set) -> bool:
-  return any(not compat.is_literal(a) and a in values for a in eqn.invars)
+def _op_call(eqns, marks, policies, start, op, policy, numbers) -> tuple[OpCall | None, int]:
+  """The call of ``op`` starting at ``eqns[start]`` and where it stops; None when the policy
+  gives that call no category."""
+  stop = start + 1
+  variant = None
+  if op.name in policy.table.ops_with_variants:
+    stop = _call_stop(eqns, marks, policies, start, op)
+    variant = _call_variant(eqns[start:stop], marks[start:stop], op, policy)
+  category = op_category(op, policy, variant)
+  if category is None:
+    return None, start
+  if variant is None:
+    stop = _call_stop(eqns, marks, policies, start, op)
+  row = policy.op_row(op.name, variant)
+  return OpCall(op, f"{op.instance}#{next(numbers)}", category, row), stop
+
+
+def _call_stop(eqns, marks, policies, start: int, op: regions.OpRegion) -> int:
+  """Where the call of ``op`` starting at ``eqns[start]`` stops.
+
+  The call's eqns lie in ``op``'s instance under one policy, within the same outer ops. The
+  next call from the same site (a loop, a linen module's wrapper) begins where the position
+  inside the op does not move on and nothing after it in the run reads a value computed before
+  it: an inlined ``jit`` (``jnp.mean``) gives all its eqns one position, and a part computed
+  apart (the count of ``where=`` elements) is read again by the eqn that ends the call.
+  """
+  depth = marks[start].ops.index(op)
+  outer = marks[start].ops[:depth]
+  positions = []
+  stop = start
+  while stop < len(eqns) and _in_call(marks[stop], op.instance, outer):
+    if policies is not None and policies[stop] is not policies[start]:
+      break
+    eqn_marks = marks[stop]
+    positions.append(eqn_marks.positions[depth])
+    stop += 1
+  earliest_read = _earliest_reads(eqns[start:stop])
+  for offset in range(1, stop - start):
+    at, before = positions[offset], positions[offset - 1]
+    moves_on = at is None or before is None or at > before
+    if not moves_on and earliest_read[offset] >= offset:
+      return start + offset
+  return stop
+
+
+def _in_call(eqn_marks: regions.Marks, instance: str, outer: tuple) -> bool:
+  depth = len(outer)
+  ops = eqn_marks.ops
+  return (
+    not eqn_marks.kept
+    and len(ops) > depth
+    and ops[depth].instance == instance
+    and ops[:depth] == outer
+  )
+
+
+def _earliest_reads(eqns) -> list[int]:
+  """For each eqn, the earliest position among it and the eqns after it of an eqn whose value
+  one of them reads (``len(eqns)`` for none)."""
+  producers: dict = {}
+  reads = []
+  for index, eqn in enumerate(eqns):
+    read = [producers[v] for v in eqn.invars if not compat.is_literal(v) and v in producers]
+    reads.append(min(read, default=len(eqns)))
+    producers.update((v, index) for v in eqn.outvars)
+  earliest = len(eqns)
+  for index in reversed(range(len(eqns))):
+    earliest = min(earliest, reads[index])
+    reads[index] = earliest
+  return reads
 
 
 def accumulates(call: OpCall) -> bool:

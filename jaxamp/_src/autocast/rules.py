@@ -19,6 +19,7 @@ after the bind, in one place: ``record_facts``.
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -175,10 +176,10 @@ CastTarget = Callable[[Any, Sequence[bool], "Env", Policy], np.dtype | None]
 
 def _lower_target(eqn, floats, env, policy) -> np.dtype | None:
   if any(
-    not casting.is_eligible(env.dtype(a)) and jnp.issubdtype(env.dtype(a), jnp.floating)
+    not casting.is_eligible(env.dtype(a)) and jnp.issubdtype(env.dtype(a), jnp.inexact)
     for a in eqn.invars
   ):
-    return None  # float64 operands: not eligible, as in torch
+    return None  # float64 or complex operands: not eligible, as in torch; the op runs as written
   return policy.dtype
 
 
@@ -239,6 +240,14 @@ def primitive_category(eqn, policy: Policy) -> Category:
   return policy.primitive_category(eqn.primitive, _variant(eqn))
 
 
+# jnp functions whose product of two vectors is torch's einsum or linalg_vecdot (lower
+# precision), not its dot: their frames are in the product's traceback. ``jnp.dot``, ``vdot``,
+# ``matmul`` and ``inner`` are inlined jits that leave none, so their vector products are dots.
+VECTOR_MATMUL_CODES = frozenset(
+  inspect.unwrap(function).__code__ for function in (jnp.einsum, jnp.linalg.vecdot)
+)
+
+
 def _variant(eqn) -> str | None:
   """A finer key for primitives whose torch op depends on how they are used."""
   primitive = eqn.primitive
@@ -246,7 +255,11 @@ def _variant(eqn) -> str | None:
     numerator = eqn.invars[0]
     if not numerator.aval.shape and (compat.is_literal(numerator) or numerator.aval.weak_type):
       return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
-  if primitive is prims.dot_general_p and all(atom.aval.ndim == 1 for atom in eqn.invars):
+  if (
+    primitive is prims.dot_general_p
+    and all(atom.aval.ndim == 1 for atom in eqn.invars)
+    and not compat.traced_inside(eqn, VECTOR_MATMUL_CODES)
+  ):
     return "vector"  # vector . vector: torch's dot / vdot, not mm
   if primitive in op_calls.WINDOW_REDUCTIONS:
     return op_calls.pooling_variant(op_calls.pooled_dims(eqn))  # avg_pool3d, max_pool3d
@@ -599,11 +612,12 @@ def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:
     weak = {i: env.facts.follows_partner(eqn, i) for i in members}
     refs = [compat.typeof(invals[i]).dtype for i in members if compat.is_ref(invals[i])]
     strong = [compat.typeof(invals[i]).dtype for i in members if not weak[i]] or [
-      # All scalars: a rank-0 value outranks a literal, as torch's 0-dim tensors outrank its
-      # Python scalars (``jnp.max(..., initial=0)`` of a 16-bit value stays 16-bit).
+      # All scalars: a rank-0 value outranks a Python scalar, as torch's 0-dim tensors outrank
+      # its Python scalars (``jnp.max(..., initial=0)``, ``jnp.where(p, loss, 0.0)`` of a
+      # 16-bit rank-0 value stay 16-bit).
       compat.typeof(invals[i]).dtype
       for i in members
-      if not compat.is_literal(eqn.invars[i])
+      if not env.facts.is_python_scalar(eqn.invars[i])
     ]
     # A Ref keeps its dtype: what is stored into it is cast instead.
     target = refs[0] if refs else casting.widest(strong or sorted(dtypes, key=str))
@@ -702,4 +716,5 @@ def record_facts(eqn, env: Env, applied: Applied) -> None:
       source = eqn.invars[0]
       if facts.is_weak(source):
         facts.weak.update(eqn.outvars)
+  facts.note_like_flow(eqn)
   facts.note(eqn)

@@ -135,15 +135,9 @@ ROWS = (
   *shared.RANDOM_DRAWS,
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
+  *shared.ACTIVATIONS_IN_OPMATH,
   *shared.ROUND_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
-  # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
-  # (without these rows, gelu's x**3 or elu's expm1 would follow the float32 pow/expm1 rows)
-  Row(
-    ("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu"),
-    N,
-    ops=("gelu", "silu", "elu", "celu", "selu", "log_sigmoid", "mish", "glu"),
-  ),
   # --- raises, as in torch: use binary_cross_entropy_with_logits ------------------------------
   Row(("binary_cross_entropy",), X, ops=("binary_cross_entropy",)),
 )

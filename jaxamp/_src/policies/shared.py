@@ -148,6 +148,21 @@ EXPLICIT_DTYPE = (
   ),
 )
 
+# Activations torch lists nowhere: single kernels that return their input's dtype and compute in
+# float32 inside (torch's opmath), forward and backward. Composed of JAX primitives run in 16
+# bits, their gradient would overflow where torch's does not (gelu's and silu's backward
+# multiply the cotangent by the input: ``x * dy`` passes 65504 at a float16 ``dy`` far below
+# it) and round at every step. Their calls keep only the 16-bit input for the backward
+# (``op_calls.RECOMPUTED_OPS``), as torch's kernels do.
+ACTIVATION_OPS = ("gelu", "silu", "elu", "celu", "selu", "log_sigmoid", "mish", "glu")
+ACTIVATIONS_IN_OPMATH = (
+  Row(
+    ("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu"),
+    Category.FLOAT32_INSIDE,
+    ops=ACTIVATION_OPS,
+  ),
+)
+
 # Parameters are created outside autocast in torch (``nn.Module.__init__``); flax linen's
 # ``Module.init`` runs the forward to create them, and a data-dependent initializer (weight
 # norm's bias from a first batch) computed under a policy would leave 16-bit master weights.

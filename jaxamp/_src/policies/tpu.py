@@ -141,20 +141,13 @@ ROWS = (
   *shared.RANDOM_DRAWS,
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
+  *shared.ACTIVATIONS_IN_OPMATH,
   *shared.ROUND_IN_FLOAT32,
   Row(shared.UPSAMPLE_OPS, F_IN, ops=("upsample",)),
   # --- unlisted single kernels: they run in their inputs' dtype -------------------------------
   # (without these rows, gelu's x**3 or norm's x**2 would follow the float32 pow row)
   Row(
     (
-      "gelu",
-      "silu",
-      "elu",
-      "celu",
-      "selu",
-      "logsigmoid",
-      "mish",
-      "glu",
       "softplus",
       "norm",
       "normalize",
@@ -169,14 +162,6 @@ ROWS = (
     ),
     N,
     ops=(
-      "gelu",
-      "silu",
-      "elu",
-      "celu",
-      "selu",
-      "log_sigmoid",
-      "mish",
-      "glu",
       "softplus",
       "norm",
       "normalize",

@@ -93,19 +93,12 @@ ROWS = (
   *shared.RANDOM_DRAWS,
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
+  *shared.ACTIVATIONS_IN_OPMATH,
   *shared.ROUND_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
   # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
   Row(
     (
-      "gelu",
-      "silu",
-      "elu",
-      "celu",
-      "selu",
-      "logsigmoid",
-      "mish",
-      "glu",
       "softplus",
       "norm",
       "pdist",
@@ -113,14 +106,6 @@ ROWS = (
     ),
     N,
     ops=(
-      "gelu",
-      "silu",
-      "elu",
-      "celu",
-      "selu",
-      "log_sigmoid",
-      "mish",
-      "glu",
       "softplus",
       "norm",
       "pdist",
