@@ -341,7 +341,7 @@ def test_an_autocast_submodule_sows_its_intermediates_as_in_nnx():
   # a sown Variable holds a tuple: not an array, nor a Ref
   model = nnx.Sequential(SowingBlock(nnx.Rngs(0)), nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
   model.layers[0] = jaxamp.autocast(model.layers[0], device_type="cpu")
-  if hasattr(nnx, "capture"):  # flax >= 0.12.5; sow outside it is deprecated there
+  if hasattr(nnx, "capture"):  # newer flax; sow outside it is deprecated there
     out, sown = nnx.capture(model, nnx.Intermediate)(ROWS)
   else:
     out = model(ROWS)
