@@ -1223,6 +1223,24 @@ def _operand_kind_cases() -> list[dict[str, Any]]:
       a=A,
       b=B,
     ),
+    case(
+      "einsum_without_a_summed_index",
+      "torch.einsum('ij,j->ij', torch.mm(a, b), v)",
+      "unlisted",
+      "mul",
+      a=A,
+      b=B,
+      v=inp("normal", 5),
+    ),
+    case(
+      "mm_sum_over_float_lengths",
+      "torch.mm(a, b).sum(1) / n.float()",
+      "unlisted",
+      "div",
+      a=A,
+      b=B,
+      n=inp("classes:1-9", 4, dtype="int64"),
+    ),
   ]
 
 

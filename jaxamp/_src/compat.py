@@ -190,6 +190,24 @@ def is_implicit_promotion(eqn) -> bool:
   return traced_inside(eqn, PROMOTION_CODES)
 
 
+def _cast_codes() -> frozenset:
+  """The code objects every conversion a caller asks for passes through (``x.astype``,
+  ``jnp.astype``, ``jnp.asarray(x, dtype)``, ``lax.convert_element_type``)."""
+  from jax._src.lax import lax as lax_internal
+
+  return frozenset({inspect.unwrap(lax_internal._convert_element_type).__code__})
+
+
+CAST_CODES = _cast_codes()
+
+
+def is_requested_cast(eqn) -> bool:
+  """Whether a ``convert_element_type`` eqn is a conversion the caller asked for (``x.astype``),
+  not jnp's promotion of an operand: jnp's inlined functions (``jnp.true_divide`` behind ``/``)
+  leave their call's traceback on it, which shows neither."""
+  return traced_inside(eqn, CAST_CODES) and not is_implicit_promotion(eqn)
+
+
 def traceback_of(eqn):
   """A context in which traced operations get ``eqn``'s source location (name stack unchanged)."""
   return _source_info.user_context(eqn.source_info.traceback)

@@ -403,6 +403,8 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   "mm_times_tril_of_ones_like": lambda a, b: (a @ b) * jnp.tril(jnp.ones_like(a @ b)),
   "mm_over_cumsum_of_ones_like": lambda a, b: (a @ b) / jnp.cumsum(jnp.ones_like(a @ b), 1),
   "mm_plus_twice_zeros_like": lambda a, b: (a @ b) + 2 * jnp.zeros_like(a @ b),
+  "mm_sum_over_float_lengths": lambda a, b, n: (a @ b).sum(1) / n.astype(jnp.float32),
+  "einsum_without_a_summed_index": lambda a, b, v: jnp.einsum("ij,j->ij", a @ b, v),
   "cat_slice_of_zeros_like": lambda a, b: jnp.concatenate([jnp.zeros_like(a @ b)[:1], (a @ b)[1:]]),
 }
 

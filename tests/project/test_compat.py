@@ -108,3 +108,39 @@ def test_call_staged_goes_through_one_jit_per_key_while_linearizing():
   np.testing.assert_allclose(grad, np.cos(1.0) * np.sin(2.0) + 2 * np.sin(1.0) * np.cos(2.0))
   assert keys == [("test", "sin"), ("test", "sin")]
   assert compat.staged(("test", "sin"), lambda: None) is compat.staged(("test", "sin"), jnp.cos)
+
+
+def _converts(fun, *args):
+  """The converts in ``fun``'s jaxpr and the bodies it calls (``jnp.where``'s jit)."""
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "convert_element_type":
+        yield eqn
+      for body in compat.sub_jaxprs(eqn):
+        yield from walk(body)
+
+  return list(walk(jax.make_jaxpr(fun)(*args).jaxpr))
+
+
+@pytest.mark.parametrize(
+  "spelling",
+  [
+    lambda n: n.astype(jnp.float32),
+    lambda n: jnp.astype(n, jnp.float32),
+    lambda n: jnp.asarray(n, jnp.float32),
+    lambda n: jax.lax.convert_element_type(n, jnp.float32),
+  ],
+)
+def test_a_conversion_the_caller_asks_for_is_a_requested_cast(spelling):
+  (convert,) = _converts(spelling, jnp.arange(4))
+  assert compat.is_requested_cast(convert)
+
+
+@pytest.mark.parametrize(
+  "spelling",
+  [lambda h, n: h / n, lambda h, n: h * n, lambda h, n: jnp.where(h > 0, h, n)],
+)
+def test_jnps_promotion_of_an_operand_is_no_requested_cast(spelling):
+  (convert,) = _converts(spelling, jnp.ones(4), jnp.arange(4))
+  assert not compat.is_requested_cast(convert)

@@ -89,6 +89,8 @@ class Provenance:
     likes: fills made by ``zeros_like`` & co, in the dtype of their prototype (``is_like``).
     masks: outputs of calls (a jit, a remat) that are boolean arrays converted to floats
       inside (``jax.nn.one_hot``), for ``is_discrete``.
+    promoted: integer arrays jnp converted to a float to compute with one (its implicit
+      promotion, not an ``astype``), and their layout changes, for ``is_discrete``.
     dims: var -> what each of its dims varies along (``Dims``), for layout changes and
       matmul outputs; any other value varies along its own dims.
     constants: var -> its value, for rank-0 invars of a body that receive a Python scalar.
@@ -104,6 +106,7 @@ class Provenance:
     self.fills: dict[Any, Any] = {}
     self.likes: set[Any] = set()
     self.masks: set[Any] = set()
+    self.promoted: set[Any] = set()
     self.dims: dict[Any, Dims] = {}
     self.constants: dict[Any, Any] = {}
     self.selected: set[Any] = set()
@@ -120,6 +123,8 @@ class Provenance:
       source = eqn.invars[0]
       if not compat.is_literal(source):
         self.source[eqn.outvars[0]] = self.root(source)
+        if source in self.promoted or _promotes_integers(eqn):
+          self.promoted.add(eqn.outvars[0])
         self.dims[eqn.outvars[0]] = layout_dims(eqn, self.dims_of(source))
         if eqn.primitive in LAYOUT and source in self.lowered:
           self.lowered.add(eqn.outvars[0])
@@ -214,14 +219,17 @@ class Provenance:
     return bool(self.root(atom).aval.shape) and self.is_weak(atom)
 
   def is_discrete(self, atom) -> bool:
-    """A boolean or integer array converted to a float dtype (and layout changes of it). JAX
-    converts it to the traced float32 to compute with a float (``m * h``, Haiku's ``dropout``,
-    ``h * m.astype(h.dtype)``, ``h.sum(1) / lengths``, ``h + jnp.arange(n)``); torch's bool and
-    integer tensors take their float partner's dtype, whatever their rank."""
+    """A boolean array converted to a float dtype, or an integer array jnp promoted to one (and
+    layout changes of them). JAX converts it to the traced float32 to compute with a float (``m *
+    h``, Haiku's ``dropout``, ``h * m.astype(h.dtype)``, ``h.sum(1) / lengths``, ``h +
+    jnp.arange(n)``); torch's bool and integer tensors take their float partner's dtype, whatever
+    their rank. An integer array converted by ``astype`` is a float32 tensor, as torch's
+    ``.float()`` is."""
     if compat.is_literal(atom):
       return False
     root = self.root(atom)
-    return root is not atom and is_discrete_dtype(root.aval.dtype) or root in self.masks
+    converted = root is not atom and (root.aval.dtype == np.bool_ or atom in self.promoted)
+    return converted or root in self.masks
 
   def is_like(self, atom) -> bool:
     """A fill made by ``zeros_like``, ``ones_like``, ``full_like`` or ``empty_like`` (and layout
@@ -268,6 +276,7 @@ class Provenance:
         (self.weak, facts.weak),
         (self.likes, facts.likes),
         (self.masks, facts.masks),
+        (self.promoted, facts.promoted),
       ):
         theirs.update(x for x in (atom, root) if x in mine)
       for mine, theirs in (
@@ -410,21 +419,26 @@ def _is_inexact(atom) -> bool:
   return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
-def is_discrete_dtype(dtype) -> bool:
-  """Boolean or integer: what torch promotes to its float partner's dtype."""
-  return dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer)
+def _promotes_integers(eqn) -> bool:
+  """Whether ``eqn`` converts an integer array to a float dtype other than by the caller's
+  request: jnp's promotion of an operand (``h / lengths``)."""
+  return (
+    eqn.primitive is prims.convert_element_type_p
+    and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer)
+    and not compat.is_requested_cast(eqn)
+  )
 
 
 def mask_outputs(jaxpr) -> tuple[bool, ...]:
-  """Which outputs of ``jaxpr`` are boolean or integer arrays converted to floats
-  (``Provenance.is_discrete``), through layout changes, casts and the calls it makes."""
+  """Which outputs of ``jaxpr`` are boolean arrays converted to floats, or integer arrays jnp
+  promoted to them (``Provenance.is_discrete``), through layout changes, casts and the calls
+  it makes."""
   masks = set()
   for eqn in jaxpr.eqns:
     if eqn.primitive in KEEPS_PROVENANCE:
       source = eqn.invars[0]
-      if not compat.is_literal(source) and (
-        source in masks or is_discrete_dtype(source.aval.dtype)
-      ):
+      discrete = source.aval.dtype == np.bool_ or _promotes_integers(eqn)
+      if not compat.is_literal(source) and (source in masks or discrete):
         masks.update(eqn.outvars)
       continue
     body = _called_body(eqn)

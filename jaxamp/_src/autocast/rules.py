@@ -255,6 +255,8 @@ def _variant(eqn) -> str | None:
     numerator = eqn.invars[0]
     if not numerator.aval.shape and (compat.is_literal(numerator) or numerator.aval.weak_type):
       return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
+  if primitive is prims.dot_general_p and not eqn.params["dimension_numbers"][0][0]:
+    return "elementwise"  # sums over no index: torch's einsum multiplies (mul), not bmm
   if (
     primitive is prims.dot_general_p
     and all(atom.aval.ndim == 1 for atom in eqn.invars)

@@ -218,6 +218,7 @@ ROWS = (
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
   *shared.ACTIVATIONS_IN_OPMATH,
+  *shared.ELEMENTWISE_PRODUCT,
   *shared.ROUND_IN_FLOAT32,
   # --- promote to the widest input type -------------------------------------------------------
   Row(("cat", "stack"), P, primitives=(prims.concatenate_p,)),

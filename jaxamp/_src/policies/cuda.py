@@ -136,6 +136,7 @@ ROWS = (
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
   *shared.ACTIVATIONS_IN_OPMATH,
+  *shared.ELEMENTWISE_PRODUCT,
   *shared.ROUND_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
   # --- raises, as in torch: use binary_cross_entropy_with_logits ------------------------------

@@ -1,7 +1,7 @@
 """Rows the device tables share, where JAX rather than torch decides."""
 
 from jaxamp._src import compat
-from jaxamp._src.policies.table import NO_16_BIT_KERNELS, Category, LazyPrimitive, Row
+from jaxamp._src.policies.table import NO_16_BIT_KERNELS, Category, LazyPrimitive, Row, Variant
 
 prims = compat.primitives
 
@@ -146,6 +146,13 @@ EXPLICIT_DTYPE = (
     Category.NATIVE,
     ops=tuple(f"{op}[dtype]" for op in EXPLICIT_DTYPE_OPS),
   ),
+)
+
+# A dot_general that sums over no index (``einsum("...hqk,h->...hqk")``, HF Flax BERT's head mask;
+# RoFormer's rotary ``einsum("bslh,...sh->bslh")``) is a product: torch's einsum computes it with
+# ``mul``, unlisted, not with ``bmm``, so it runs in its inputs' dtypes, the widest winning.
+ELEMENTWISE_PRODUCT = (
+  Row(("mul",), Category.NATIVE, primitives=(Variant(prims.dot_general_p, "elementwise"),)),
 )
 
 # Activations torch lists nowhere: single kernels that return their input's dtype and compute in

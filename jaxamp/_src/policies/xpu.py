@@ -94,6 +94,7 @@ ROWS = (
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
   *shared.ACTIVATIONS_IN_OPMATH,
+  *shared.ELEMENTWISE_PRODUCT,
   *shared.ROUND_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
   # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
