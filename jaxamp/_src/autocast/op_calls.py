@@ -105,10 +105,10 @@ LOGIT_OPS = frozenset({"log_sigmoid"})
 LOGIT_PRIMITIVES = frozenset({compat.primitives.logistic_p})
 
 
-def _call_variant(span, span_marks, op: regions.OpRegion, policy: Policy) -> str | None:
-  """The variant of the call of ``op`` made of the eqns ``span``, for an op some row lists with
-  one: that of the pooling among its eqns, ``logits`` for a loss computed from logits, or
-  ``dtype`` for a call given an explicit dtype; None for none of these."""
+def _call_variant(span, span_marks) -> str | None:
+  """The variant of the call made of the eqns ``span``, for an op some row lists with one:
+  that of the pooling among its eqns, ``logits`` for a loss computed from logits, or ``dtype``
+  for a call given an explicit dtype; None for none of these."""
   for eqn, eqn_marks in zip(span, span_marks, strict=True):
     dims = pooled_dims(eqn)
     if dims is not None:
@@ -188,15 +188,14 @@ def op_calls(
 def _op_call(eqns, marks, policies, start, op, policy, numbers) -> tuple[OpCall | None, int]:
   """The call of ``op`` starting at ``eqns[start]`` and where it stops; None when the policy
   gives that call no category."""
-  stop = start + 1
-  variant = None
+  stop, variant = None, None
   if op.name in policy.table.ops_with_variants:
     stop = _call_stop(eqns, marks, policies, start, op)
-    variant = _call_variant(eqns[start:stop], marks[start:stop], op, policy)
+    variant = _call_variant(eqns[start:stop], marks[start:stop])
   category = op_category(op, policy, variant)
   if category is None:
     return None, start
-  if variant is None:
+  if stop is None:  # an op without variants: its call's extent matters only once it has a row
     stop = _call_stop(eqns, marks, policies, start, op)
   row = policy.op_row(op.name, variant)
   return OpCall(op, f"{op.instance}#{next(numbers)}", category, row), stop
