@@ -76,7 +76,7 @@ REQUIRED_INTERNALS = {
 
 def _unexported_primitives() -> dict[str, Any]:
   """Primitives jaxamp has rules for that ``jax.extend.core.primitives`` does not export."""
-  from jax._src import callback, ffi, shard_map
+  from jax._src import callback, ffi, pjit, shard_map
   from jax._src.lax import control_flow, linalg
   from jax._src.lax import lax as lax_internal
   from jax._src.state import discharge
@@ -98,6 +98,8 @@ def _unexported_primitives() -> dict[str, Any]:
     "optimization_barrier_p": control_flow.optimization_barrier_p,
     "ref_get_p": state_primitives.get_p,
     "pvary_p": _core.pvary_p,  # shard_map's cast of a replicated value to varying
+    "reshard_p": pjit.reshard_p,  # jax.sharding.reshard
+    "layout_constraint_p": pjit.layout_constraint_p,  # jax.experimental.layout's constraint
   }
 
 
@@ -211,6 +213,12 @@ def is_requested_cast(eqn) -> bool:
 def traceback_of(eqn):
   """A context in which traced operations get ``eqn``'s source location (name stack unchanged)."""
   return _source_info.user_context(eqn.source_info.traceback)
+
+
+def eqn_context(eqn):
+  """The context ``eqn`` was traced in (its mesh: ``auto_axes``/``explicit_axes`` regions), for
+  the casts made for it to be typed as its operands are."""
+  return eqn.ctx.manager
 
 
 def bind(eqn, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:

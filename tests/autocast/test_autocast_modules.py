@@ -73,6 +73,15 @@ def test_the_submodule_arrays_are_the_same_leaves():
     assert new is old
 
 
+def test_the_model_keeps_its_key_paths():
+  # torch's autocast leaves state_dict keys alone; orbax names leaves by these paths
+  paths = lambda tree: [
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)
+  ]
+  model = new_model()
+  assert paths(with_autocast_mlp(model)) == paths(model)
+
+
 @pytest.mark.slow
 def test_submodule_fields_are_read_through_the_wrapper():
   model = new_model()
@@ -202,6 +211,83 @@ def test_nnx_submodule_params_get_float32_gradients_and_statistics_update():
   leaves = jax.tree.leaves(grads)
   assert len(leaves) == 6 and {g.dtype for g in leaves} == {F32}
   assert float(jnp.abs(model.mlp.layers[1].mean[...]).max()) > 0
+
+
+def test_an_nnx_autocast_submodule_keeps_the_models_state_paths():
+  # torch's autocast leaves state_dict keys alone
+  paths = lambda model: [path for path, _ in nnx.to_flat_state(nnx.state(model))]
+  assert paths(nnx_model_with_autocast_mlp()) == paths(NnxModel(nnx.Rngs(0)))
+
+
+def test_a_float32_checkpoint_loads_into_a_model_with_an_nnx_autocast_submodule():
+  checkpoint = nnx.state(NnxModel(nnx.Rngs(1)))
+  model = nnx_model_with_autocast_mlp()
+  nnx.update(model, checkpoint)
+  for (_, new), (_, saved) in zip(
+    nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(checkpoint), strict=True
+  ):
+    np.testing.assert_array_equal(new.get_value(), saved.get_value())
+
+
+def test_an_nnx_autocast_module_is_a_module_of_its_class_and_runs_in_float16():
+  linear = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+  amp = jaxamp.autocast(linear, device_type="cuda")
+  assert isinstance(amp, nnx.Linear)
+  assert amp(X).dtype == F16 and linear(X).dtype == F32
+
+
+def test_model_eval_reaches_an_nnx_autocast_dropout():
+  model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(1)))
+  model.layers[1] = jaxamp.autocast(model.layers[1], device_type="cuda")
+  model.eval()
+  assert model.layers[1].deterministic
+  np.testing.assert_array_equal(model(X), model.layers[0](X))
+
+
+class LazyScale(nnx.Module):
+  """A Variable made in ``__call__`` in place of a placeholder."""
+
+  def __init__(self):
+    self.scale = nnx.data(None)
+
+  def __call__(self, x):
+    if self.scale is None:
+      self.scale = nnx.Param(jnp.full(x.shape[-1], 2.0))
+    return x * self.scale
+
+
+class LazyNorm(nnx.Module):
+  """A submodule made in ``__call__`` on first use."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    if not hasattr(self, "norm"):
+      self.norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
+    return self.norm(self.linear(x))
+
+
+LAZY = {"variable_for_a_placeholder": LazyScale, "submodule": lambda: LazyNorm(nnx.Rngs(0))}
+
+
+@pytest.mark.parametrize("under", ["eager", "nnx.jit"])
+@pytest.mark.parametrize("made", list(LAZY))
+def test_what_an_nnx_module_makes_in_its_call_is_added_to_it(made, under):
+  model, reference = LAZY[made](), LAZY[made]()
+  amp = jaxamp.autocast(lambda m, x: m(x), device_type="cpu")
+  run = amp if under == "eager" else nnx.jit(amp)
+  out = run(model, X)
+  np.testing.assert_allclose(out.astype(F32), reference(X), rtol=2e-2, atol=2e-2)
+  paths = lambda m: [path for path, _ in nnx.to_flat_state(nnx.state(m))]
+  assert paths(model) == paths(reference)
+  np.testing.assert_array_equal(run(model, X), out)  # the second call finds what the first made
+
+
+def test_what_an_nnx_autocast_module_makes_in_its_call_is_added_to_its_module():
+  module = LazyNorm(nnx.Rngs(0))
+  jaxamp.autocast(module, device_type="cpu")(X)
+  assert isinstance(module.norm, nnx.LayerNorm)
 
 
 # --- other callables are wrapped as before -------------------------------------------------------

@@ -11,6 +11,7 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import jaxpr_utils
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -270,3 +271,86 @@ def test_a_replicated_masks_fill_inside_shard_map_is_the_16_bit_minimum():
   fun = jaxamp.autocast(_data_parallel(scores, (P("data"), P())), device_type="cuda")
   out = fun(jnp.ones((2, 4, 8)), jnp.tril(jnp.ones((4, 4), bool)))
   assert out.dtype == jnp.float16 and float(out.min()) == float(jnp.finfo(jnp.float16).min)
+
+
+# --- a parameter stays a parameter through constraints, barriers and slices ----------------------
+
+
+def _mesh():
+  return jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _constrained(a, spec):
+  return lax.with_sharding_constraint(a, jax.sharding.NamedSharding(_mesh(), spec))
+
+
+PASSED_THROUGH = {
+  "with_sharding_constraint": lambda w, b: (
+    _constrained(w, P(None, "model")),
+    _constrained(b, P("model")),
+  ),
+  "stop_gradient": lambda w, b: (lax.stop_gradient(w), lax.stop_gradient(b)),
+  "optimization_barrier": lambda w, b: lax.optimization_barrier((w, b)),
+  "device_put": lambda w, b: jax.device_put((w, b)),
+  "reduce_precision": lambda w, b: (
+    lax.reduce_precision(w, exponent_bits=8, mantissa_bits=7),
+    lax.reduce_precision(b, exponent_bits=8, mantissa_bits=7),
+  ),
+}
+
+
+@policies
+@pytest.mark.parametrize("name", list(PASSED_THROUGH))
+def test_a_bias_passed_through_an_identity_primitive_stays_low(name, device_type, low):
+  # torch: F.linear(x, W.detach(), b.detach()) is a linear with a bias
+  def linear(w, b, x):
+    w, b = PASSED_THROUGH[name](w, b)
+    return x @ w + b
+
+  fun = jax.jit(jaxamp.autocast(linear, device_type=device_type))
+  assert fun(W.T, B, XS).dtype == low
+
+
+@policies
+def test_a_layer_sliced_from_stacked_parameters_keeps_its_bias_add_low(device_type, low):
+  stacked_w, stacked_b = jnp.stack([W.T, W.T]), jnp.stack([B, B])  # torch: F.linear(x, W[0], b[0])
+  fun = jaxamp.autocast(lambda ws, bs, x: x @ ws[0] + bs[0], device_type=device_type)
+  assert fun(stacked_w, stacked_b, XS).dtype == low
+
+
+@policies
+def test_a_layer_read_from_stacked_parameters_in_a_fori_loop_keeps_its_bias_add_low(
+  device_type, low
+):
+  stacked_w = jnp.stack([jnp.eye(6), jnp.eye(6)])
+  stacked_b = jnp.stack([B, B])
+
+  def layers(ws, bs, x):
+    step = lambda i, h: (h @ ws[i] + bs[i]).astype(h.dtype)
+    return lax.fori_loop(0, 2, step, x)
+
+  jaxpr = jaxpr_utils.traced(
+    jaxamp.autocast(layers, device_type=device_type), stacked_w, stacked_b, XS @ W.T
+  )
+  in_loop = [
+    eqn
+    for path, eqn in jaxpr_utils.walk(jaxpr)
+    if eqn.primitive.name == "add"
+    and eqn.outvars[0].aval.shape == (5, 6)
+    and any(scope.startswith(("while", "scan")) for scope in path)
+  ]
+  assert in_loop and all(eqn.outvars[0].aval.dtype == low for eqn in in_loop)
+
+
+@policies
+def test_a_linen_dense_with_logically_partitioned_params_on_a_mesh_is_low(device_type, low):
+  dense = nn.Dense(
+    6,
+    kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
+    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
+  )
+  rules = (("embed", None), ("mlp", "model"))
+  with jax.set_mesh(_mesh()), nn.logical_axis_rules(rules):
+    variables = dense.init(jax.random.key(0), XS)
+    out = jax.jit(jaxamp.autocast(dense.apply, device_type=device_type))(variables, XS)
+  assert out.dtype == low

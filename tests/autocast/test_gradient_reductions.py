@@ -446,3 +446,45 @@ def test_scan_over_layers_gets_float32_weight_gradients():
   assert param_gradient_dtypes(jaxpr, layer_shapes) == {jnp.dtype(jnp.float32)}
   grads = jax.grad(loss)(params, x)
   assert all(np.all(np.isfinite(g)) and g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
+# --- a 16-bit parameter broadcast to a larger shape: its gradient is a float32 sum ----------------
+
+SUM_X = jnp.ones((256, 64)) / 8
+SUM_W = jnp.ones((64, 256)) / 16  # SUM_X @ SUM_W is 0.5 everywhere: sums of 65536 halves
+
+
+@pytest.mark.parametrize("policy", ["cuda", "cpu"])
+def test_a_scalar_parameters_gradient_is_summed_in_float32_as_torchs_sum_to(policy):
+  # torch CPU autocast: d/ds sum(s * (x @ w)) is exactly 32768 (a bfloat16 sum gave 8192)
+  loss = lambda s, x, w: jnp.sum((s * (x @ w)).astype(jnp.float32))
+  grad = jax.grad(jaxamp.autocast(loss, device_type=policy))(jnp.float32(2.0), SUM_X, SUM_W)
+  assert grad.dtype == jnp.float32 and float(grad) == 32768.0
+
+
+def test_a_prelu_slopes_gradient_is_summed_in_float32():
+  x = jax.random.normal(jax.random.key(0), (32, 8, 32, 32))
+  loss = lambda a, x: jnp.mean(jaxamp.functional.prelu(x, a) ** 2)
+  slope = jnp.full((1,), 0.25)
+  grad = jax.grad(jaxamp.autocast(loss, device_type="cpu"))(slope, x)
+  np.testing.assert_allclose(grad, jax.grad(loss)(slope, x), rtol=5e-3)
+
+
+def test_an_equinox_per_channel_prelus_gradient_under_vmap_is_summed_in_float32():
+  import equinox as eqx  # noqa: PLC0415
+
+  prelu = eqx.nn.PReLU(init_alpha=jnp.full((32,), 0.25))
+  x = jax.random.normal(jax.random.key(1), (16, 8, 8, 32))
+  loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
+  grad = eqx.filter_grad(jaxamp.autocast(loss, device_type="cpu"))(prelu, x).negative_slope
+  expected = eqx.filter_grad(loss)(prelu, x).negative_slope
+  np.testing.assert_allclose(grad, expected, rtol=2e-2, atol=1e-5)
+
+
+def test_without_weight_grads_a_scalar_parameters_gradient_is_a_16_bit_sum():
+  loss = lambda s, x, w: jnp.sum((s * (x @ w)).astype(jnp.float32))
+  jaxamp.clear_caches()
+  with weight_grads.disabled():
+    grad = jax.grad(jaxamp.autocast(loss, device_type="cpu"))(jnp.float32(2.0), SUM_X, SUM_W)
+  jaxamp.clear_caches()
+  assert float(grad) != 32768.0  # what the tests above catch

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import jaxpr_utils
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -200,3 +201,25 @@ def test_jitted_layer_is_rewritten_once():
   jaxpr = jax.make_jaxpr(jaxamp.autocast(fun, device_type="cuda"))(X, W)
   bodies = {id(e.params["jaxpr"]) for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"}
   assert len(bodies) <= 2  # the first call sees float32 inputs, the next ones float16
+
+
+# --- sharding regions: the casts made for an eqn are typed in its mesh ---------------------------
+
+
+@pytest.mark.parametrize("device_type,low", [("cuda", jnp.float16), ("cpu", jnp.bfloat16)])
+@pytest.mark.parametrize("region", ["auto_axes", "explicit_axes"])
+def test_a_matmul_in_a_sharding_region_of_another_axis_type_runs_low(region, device_type, low):
+  from jax.sharding import AxisType, NamedSharding, auto_axes, explicit_axes
+
+  outer = AxisType.Explicit if region == "auto_axes" else AxisType.Auto
+  mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(outer, outer))
+  if region == "auto_axes":
+    matmul = auto_axes(lambda a, b: a @ b, out_sharding=P("data", None))
+  else:
+    matmul = explicit_axes(lambda a, b: a @ b, in_sharding=(P("data", None), P(None, "model")))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data", None)))
+    w = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "model")))
+    out = jax.jit(jaxamp.autocast(matmul, device_type=device_type))(x, w)
+  assert out.dtype == low
+  np.testing.assert_array_equal(out.astype(jnp.float32), jnp.full((8, 8), 8.0))

@@ -90,6 +90,15 @@ def keras_layer(name: str, training: bool = False, inputs=None, **kwargs):
   return (lambda t, n, x: layer.stateless_call(t, n, x, **call_kwargs)[0]), (*variables, inputs)
 
 
+def keras_rnn(cell: str):
+  """A Keras 3 ``RNN`` layer of a ``cell`` of 4 units over a sequence; None without Keras."""
+  try:
+    import keras  # noqa: PLC0415 (see keras_layer)
+  except ImportError:
+    return None, ()
+  return keras_layer("RNN", inputs=x_of(2, 3, 4), cell=getattr(keras.layers, cell)(4))
+
+
 def keras_function(name: str, fun, *args, module: str = "keras.src.backend.jax.nn"):
   """``fun(f, *args)`` of Keras's function ``name`` (of its JAX backend unless ``module``
   says); None without Keras."""
@@ -289,6 +298,9 @@ EXAMPLES = {
   ("keras.layers", "GroupNormalization.call"): keras_layer("GroupNormalization", groups=2),
   ("keras.layers", "RMSNormalization.call"): keras_layer("RMSNormalization"),
   ("keras.layers", "PReLU.call"): keras_layer("PReLU"),
+  ("keras.layers", "LSTMCell.call"): keras_rnn("LSTMCell"),
+  ("keras.layers", "GRUCell.call"): keras_rnn("GRUCell"),
+  ("keras.layers", "SimpleRNNCell.call"): keras_rnn("SimpleRNNCell"),
   ("keras.layers", "UpSampling1D.call"): keras_layer("UpSampling1D", inputs=x_of(2, 3, 4)),
   ("keras.layers", "UpSampling2D.call"): keras_layer("UpSampling2D", inputs=x_of(2, 3, 3, 4)),
   ("keras.layers", "UpSampling3D.call"): keras_layer("UpSampling3D", inputs=x_of(2, 2, 2, 2, 3)),

@@ -346,3 +346,21 @@ def test_a_recurrent_carry_tuple_keeps_the_low_dtype(device_type, low):
 
   (h, c), _ = jaxamp.autocast(cell, device_type=device_type)(w, (X, X), X)
   assert (h.dtype, c.dtype) == (low, low)
+
+
+class _KeyedByObjects:
+  """An instance holding a dict keyed by unorderable objects (a compiled Keras model's
+  per-layer state), which jax cannot flatten."""
+
+  def __init__(self):
+    self.per_layer = {object(): True, object(): False}
+
+  def loss(self, x):
+    return jnp.sum(x @ x)
+
+
+def test_a_bound_method_of_an_instance_holding_an_unflattenable_dict_runs():
+  holder = _KeyedByObjects()
+  x = jnp.ones((2, 2))
+  out = jaxamp.autocast(holder.loss, device_type="cpu")(x)
+  assert out.dtype == jnp.bfloat16 and float(out) == 8.0

@@ -302,3 +302,67 @@ def test_a_layer_after_a_conv_has_torchs_dtype(name, device_type, low):
   np.testing.assert_allclose(
     np.asarray(out, np.float32), call(trainable, non_trainable, x), rtol=0.05, atol=0.05
   )
+
+
+# --- model.fit and recurrent layers ---------------------------------------------------------------
+
+
+class _AutocastSequential(keras.Sequential):
+  """``model.fit`` under autocast: the one override a Keras user writes (a compiled model holds
+  a dict keyed by its layers, which the autocast trace of its bound method meets)."""
+
+  seen: dict = {}
+
+  def compute_loss_and_updates(self, *args, training=False, optimizer_variables=None):
+    base = super().compute_loss_and_updates
+
+    def step(*args, optimizer_variables):
+      return base(*args, training=training, optimizer_variables=optimizer_variables)
+
+    out = jaxamp.autocast(step, device_type="cpu")(*args, optimizer_variables=optimizer_variables)
+    self.seen.update(y_pred=out[1][1].dtype, state=[v.dtype for v in out[1][2]])
+    return out
+
+
+def test_model_fit_trains_with_compute_loss_and_updates_under_autocast():
+  keras.utils.set_random_seed(0)
+  model = _AutocastSequential(
+    [
+      keras.Input((6,)),
+      layers.Dense(16, activation="relu"),
+      layers.BatchNormalization(),
+      layers.Dense(3),
+    ]
+  )
+  model.compile(
+    optimizer=keras.optimizers.Adam(1e-2),
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
+  history = model.fit(X, Y, batch_size=4, epochs=3, verbose=0)
+  losses = history.history["loss"]
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+  assert model.seen["y_pred"] == jnp.bfloat16
+  assert model.seen["state"] == [jnp.float32, jnp.float32]  # BatchNorm's moving statistics
+  assert {v.dtype for v in model.variables} == {"float32"}
+
+
+RECURRENT_LAYERS = {
+  "LSTM": lambda: layers.LSTM(5, return_sequences=True),
+  "SimpleRNN": lambda: layers.SimpleRNN(5, return_sequences=True),
+}
+
+
+@pytest.mark.parametrize("name", list(RECURRENT_LAYERS))
+def test_a_recurrent_layer_runs_its_cells_in_float16_under_cuda_as_torch(name):
+  # torch's CUDA list: LSTMCell, GRUCell and RNNCell cast input, state and weights, so the
+  # sequence and the state come out float16.
+  layer = RECURRENT_LAYERS[name]()
+  x = RNG.standard_normal((2, 7, 3)).astype(np.float32)
+  layer.build(x.shape)
+  trainable, non_trainable = _variables(layer)
+  call = lambda t, n, x: layer.stateless_call(t, n, x)[0]
+  out = jaxamp.autocast(call, device_type="cuda")(trainable, non_trainable, x)
+  assert out.dtype == jnp.float16
+  np.testing.assert_allclose(
+    np.asarray(out, np.float32), call(trainable, non_trainable, x), rtol=0.02, atol=0.02
+  )

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp._src.scaler import loss_scale
@@ -562,6 +563,32 @@ def test_update_with_axis_name_outside_a_mapped_context_names_the_unbound_axis()
   tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), axis_name="data")
   with pytest.raises(NameError, match="unbound axis name: data"):
     tx.update(PARAMS, tx.init(PARAMS), PARAMS)
+
+
+@pytest.mark.parametrize("gradient", ["finite", "inf"])
+def test_update_passes_the_float0_gradient_of_an_integer_leaf(gradient):
+  # jax.grad(allow_int=True) gives an integer leaf a float0 gradient; torch freezes such leaves
+  params = {"w": jnp.ones(3), "n": jnp.arange(3)}
+  scale = 1.0 if gradient == "finite" else jnp.inf
+  loss = lambda p: jnp.sum(scale * p["w"] * p["n"])
+  grads = jax.grad(loss, allow_int=True)(params)
+  inner = optax.multi_transform(
+    {"a": optax.sgd(0.1), "z": optax.set_to_zero()}, {"w": "a", "n": "z"}
+  )
+  tx = jaxamp.dynamic_loss_scale(inner, init_scale=1.0)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert updates["n"].dtype == jax.dtypes.float0 and updates["n"].shape == (3,)
+  assert bool(state.found_inf) == (gradient == "inf")
+
+
+def test_update_with_a_misspelled_axis_name_inside_shard_map_names_it():
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), axis_name="dta")
+  step = jax.shard_map(
+    lambda g: tx.update(g, tx.init(g), g)[0], mesh=mesh, in_specs=P("data"), out_specs=P("data")
+  )
+  with pytest.raises(NameError, match="'dta' is not an axis of an enclosing shard_map or pmap"):
+    step(jnp.ones(2))
 
 
 @pytest.mark.parametrize("state", ["inner", "none"])

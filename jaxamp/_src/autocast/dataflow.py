@@ -22,7 +22,9 @@ prims = compat.primitives
 
 # Primitives that move or copy a value without computing: what comes out has the provenance of
 # what went in (a parameter stays a parameter, a dot's output stays a dot's output). ``pvary``
-# only types a replicated value as varying over ``shard_map``'s manual axes (``check_vma``).
+# only types a replicated value as varying over ``shard_map``'s manual axes (``check_vma``);
+# sharding and layout constraints, reshards, ``stop_gradient`` and ``reduce_precision`` change
+# where a value lives, how it differentiates or how it rounds, not what it is.
 LAYOUT = frozenset(
   {
     prims.broadcast_in_dim_p,
@@ -31,10 +33,29 @@ LAYOUT = frozenset(
     prims.transpose_p,
     prims.copy_p,
     prims.pvary_p,
+    prims.sharding_constraint_p,
+    prims.reshard_p,
+    prims.layout_constraint_p,
+    prims.stop_gradient_p,
+    prims.reduce_precision_p,
   }
 )
-# ... and casts, which keep where a value comes from too (a cast parameter is a parameter).
-KEEPS_PROVENANCE = LAYOUT | {prims.convert_element_type_p}
+# ... the same for each of several operands (operand i comes out as output i).
+PASS_THROUGH = frozenset({prims.optimization_barrier_p, prims.device_put_p})
+# What moves a value: layout changes of a dot's output are its output, of a fill a fill.
+MOVES = LAYOUT | PASS_THROUGH
+# Casts and slices keep where a value comes from too (a cast parameter is a parameter, and so is
+# one layer's weights sliced from a stack), not that it is a dot's output.
+KEEPS_PROVENANCE = MOVES | {prims.convert_element_type_p, prims.slice_p, prims.dynamic_slice_p}
+
+
+def passed_through(eqn) -> list[tuple[Any, Any]]:
+  """``(input, output)`` of each value a ``KEEPS_PROVENANCE`` eqn passes through (a dynamic
+  slice's indices are read, not passed)."""
+  if eqn.primitive in PASS_THROUGH:
+    return list(zip(eqn.invars, eqn.outvars, strict=True))
+  return [(eqn.invars[0], eqn.outvars[0])]
+
 
 # What each dim of a value varies along: per dim, the origins of its extent. A value varies
 # along its own dims ({"own"}; size-1 dims along nothing); a low-precision matmul's output
@@ -120,14 +141,15 @@ class Provenance:
     if compat.is_whole_read(eqn):  # a parameter kept in a Ref or an nnx Variable is one
       return
     if eqn.primitive in KEEPS_PROVENANCE:
-      source = eqn.invars[0]
-      if not compat.is_literal(source):
-        self.source[eqn.outvars[0]] = self.root(source)
+      for source, out in passed_through(eqn):
+        if compat.is_literal(source):
+          continue
+        self.source[out] = self.root(source)
         if source in self.promoted or _promotes_integers(eqn):
-          self.promoted.add(eqn.outvars[0])
-        self.dims[eqn.outvars[0]] = layout_dims(eqn, self.dims_of(source))
-        if eqn.primitive in LAYOUT and source in self.lowered:
-          self.lowered.add(eqn.outvars[0])
+          self.promoted.add(out)
+        self.dims[out] = layout_dims(eqn, self.dims_of(source))
+        if eqn.primitive in MOVES and source in self.lowered:
+          self.lowered.add(out)
       return
     self.computed.update(eqn.outvars)
     body = _called_body(eqn)
@@ -165,10 +187,12 @@ class Provenance:
       self.weak.update(eqn.outvars)
       if compat.traced_inside(eqn, _FULL_LIKE):
         self.likes.update(eqn.outvars)
-    if eqn.primitive in LAYOUT and not compat.is_literal(source) and source in self.weak:
-      self.weak.update(eqn.outvars)
-      if source in self.likes:
-        self.likes.update(eqn.outvars)
+    if eqn.primitive in MOVES:
+      for source, out in passed_through(eqn):
+        if not compat.is_literal(source) and source in self.weak:
+          self.weak.add(out)
+          if source in self.likes:
+            self.likes.add(out)
 
   def note_like_flow(self, eqn) -> None:
     """What is computed from ``*_like`` fills and Python scalars alone is like them: torch
@@ -338,7 +362,9 @@ def layout_dims(eqn, dims: Dims) -> Dims:
     return tuple(out)
   if primitive is prims.reshape_p:
     return _reshape_dims(eqn.invars[0].aval.shape, out_shape, dims, params.get("dimensions"))
-  return dims  # casts and copies
+  if primitive in (prims.slice_p, prims.dynamic_slice_p):  # a dim sliced to one entry: none
+    return tuple(d if size != 1 else NOWHERE for d, size in zip(dims, out_shape, strict=True))
+  return dims  # casts, copies and constraints
 
 
 def _reshape_dims(in_shape, out_shape, dims: Dims, permutation) -> Dims:
@@ -381,8 +407,9 @@ def activation_reads(jaxpr) -> set[Any]:
     if compat.is_whole_read(eqn):  # reads a parameter, as a function argument is read
       continue
     if eqn.primitive in KEEPS_PROVENANCE:
-      if not compat.is_literal(eqn.invars[0]):
-        roots[eqn.outvars[0]] = roots.get(eqn.invars[0], eqn.invars[0])
+      for source, out in passed_through(eqn):
+        if not compat.is_literal(source):
+          roots[out] = roots.get(source, source)
       continue
     if eqn.primitive is prims.add_p:
       continue
@@ -436,10 +463,10 @@ def mask_outputs(jaxpr) -> tuple[bool, ...]:
   masks = set()
   for eqn in jaxpr.eqns:
     if eqn.primitive in KEEPS_PROVENANCE:
-      source = eqn.invars[0]
-      discrete = source.aval.dtype == np.bool_ or _promotes_integers(eqn)
-      if not compat.is_literal(source) and (source in masks or discrete):
-        masks.update(eqn.outvars)
+      for source, out in passed_through(eqn):
+        discrete = source.aval.dtype == np.bool_ or _promotes_integers(eqn)
+        if not compat.is_literal(source) and (source in masks or discrete):
+          masks.add(out)
       continue
     body = _called_body(eqn)
     if body is not None:
@@ -473,7 +500,7 @@ def _selected_inputs(eqn, selected: set) -> set:
   if eqn.primitive is prims.select_n_p:
     reads = [(atom, position > 0) for position, atom in enumerate(eqn.invars)]
   elif eqn.primitive in KEEPS_PROVENANCE:
-    reads = [(eqn.invars[0], all(out in selected for out in eqn.outvars))]
+    reads = [(source, out in selected) for source, out in passed_through(eqn)]
   else:
     body = _called_body(eqn)
     if body is None:

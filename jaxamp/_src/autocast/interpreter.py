@@ -85,7 +85,8 @@ def evaluate(
       segment = op_calls.segment(jaxpr.eqns, index, runs[index], last_read)
     if segment is not None and _upcasts_16_bit(segment, env):
       stop = runs[index]
-      outs = _eval_recomputed(segment, env, ctx)
+      with compat.eqn_context(jaxpr.eqns[index]):
+        outs = _eval_recomputed(segment, env, ctx)
       for var, value in zip(segment.outvars, outs, strict=True):
         env.values[var] = value
         env.region[var] = None
@@ -95,7 +96,8 @@ def evaluate(
       override, eqn_ctx = None, ctx
       if decided is not None:
         override, eqn_ctx = decided[index], ctx._replace(policy=policies[index])
-      _eval_one(jaxpr.eqns[index], marks[index], calls[index], env, eqn_ctx, override)
+      with compat.eqn_context(jaxpr.eqns[index]):
+        _eval_one(jaxpr.eqns[index], marks[index], calls[index], env, eqn_ctx, override)
     for dead in range(index, stop):
       for var in last_use.get(dead, ()):
         env.values.pop(var, None)  # dead: let eager evaluation free it, as eval_jaxpr does

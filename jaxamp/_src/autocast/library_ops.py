@@ -178,6 +178,9 @@ LAZY_OPS = (
   ("haiku", "VanillaRNN.__call__", "rnn_cell"),
   ("equinox.nn", "LSTMCell.__call__", "rnn_cell"),
   ("equinox.nn", "GRUCell.__call__", "rnn_cell"),
+  ("keras.layers", "LSTMCell.call", "rnn_cell"),  # keras.layers.LSTM/GRU/SimpleRNN's steps
+  ("keras.layers", "GRUCell.call", "rnn_cell"),
+  ("keras.layers", "SimpleRNNCell.call", "rnn_cell"),
   # Keras 3 (its JAX backend): the norm layers upcast a 16-bit input themselves, a cast a float32
   # trace does not hold.
   ("keras.layers", "BatchNormalization.call", "batch_norm"),

@@ -186,7 +186,9 @@ class _AutocastDecorator:
 def _wrap(
   fun: Callable, amp_policy: policy_lib.Policy | None, amp_overrides: Overrides | None = None
 ) -> Callable:
-  if nnx_modules.is_module(fun) or _is_pytree_node(fun):
+  if nnx_modules.is_module(fun):
+    return nnx_modules.with_call(fun, _autocast_call(type(fun).__call__, amp_policy, amp_overrides))
+  if _is_pytree_node(fun):
     nnx_modules.register_data_type(AutocastModule)  # an nnx Module may hold it as an attribute
     return AutocastModule(fun, amp_policy, amp_overrides)
 
@@ -239,14 +241,16 @@ def _is_pytree_node(fun: Any) -> bool:
 
 @jax.tree_util.register_pytree_with_keys_class
 class AutocastModule:
-  """``autocast(module)`` for a module that is a pytree: a pytree with the module as its child.
+  """``autocast(module)`` for a module that is a pytree (an Equinox module): a pytree node that
+  stands for the module.
 
   Calling it runs ``module(*args, **kwargs)`` with the module passed to the autocast function as
-  an argument, so its arrays are traced inputs rather than closure constants. As a pytree node it
-  keeps them as leaves where the module stood: ``eqx.tree_at(lambda m: m.mlp, model,
-  autocast(model.mlp))`` leaves them visible to ``jax.grad``, ``eqx.filter``/``partition`` and
-  optimizers, and rebuilds around the new leaves that ``jax.tree.map`` or ``apply_updates`` give
-  it. An nnx module's state updates go back into it, as for any nnx module argument. Other
+  an argument, so its arrays are traced inputs rather than closure constants. It flattens to the
+  module's own children under the module's own keys, so a model holding it has the leaves and
+  key paths (``.mlp.layers[0].weight``) it had before, as torch's autocast leaves ``state_dict``
+  keys alone: ``eqx.tree_at(lambda m: m.mlp, model, autocast(model.mlp))`` leaves the arrays
+  visible to ``jax.grad``, ``eqx.filter``/``partition``, optimizers and checkpoints, and rebuilds
+  the module around the new leaves that ``jax.tree.map`` or ``apply_updates`` give it. Other
   attributes are read from the module (``wrapper.layers`` is ``module.layers``).
   """
 
@@ -279,13 +283,31 @@ class AutocastModule:
       return f"jaxamp.autocast({self.__wrapped__!r}, enabled=False)"
     return f"jaxamp.autocast({self.__wrapped__!r}, policy={amp_policy!r})"
 
-  def tree_flatten_with_keys(self) -> tuple[tuple, tuple]:
-    aux = (self._policy, self._overrides)
-    return ((jax.tree_util.GetAttrKey("__wrapped__"), self.__wrapped__),), aux
+  def tree_flatten_with_keys(self) -> tuple[list, tuple]:
+    module = self.__wrapped__
+    children, treedef = jax.tree_util.tree_flatten_with_path(
+      module, is_leaf=lambda node: node is not module
+    )
+    keyed = [(path[0], child) for path, child in children]
+    return keyed, (treedef, self._policy, self._overrides)
 
   @classmethod
   def tree_unflatten(cls, aux: tuple, children: tuple) -> AutocastModule:
-    return cls(children[0], *aux)
+    treedef, amp_policy, amp_overrides = aux
+    return cls(treedef.unflatten(children), amp_policy, amp_overrides)
+
+
+@functools.cache
+def _autocast_call(
+  module_call: Callable, amp_policy: policy_lib.Policy | None, amp_overrides: Overrides | None
+) -> Callable:
+  """The ``__call__`` of ``autocast(module)`` for an nnx module: ``module_call`` (its class's)
+  with the module passed to the autocast function as an argument."""
+
+  def __call__(self, *args, **kwargs):
+    return _run(module_call, amp_policy, (self, *args), kwargs, amp_overrides)
+
+  return __call__
 
 
 def is_array(x: Any) -> bool:
@@ -413,7 +435,10 @@ def _state_outputs(
     _add_containers(containers, arg, argument_shapes[offset : offset + arg.num_leaves])
     offset += arg.num_leaves
   for value in closed_over:
-    leaves, treedef = jax.tree.flatten(value)
+    try:
+      leaves, treedef = jax.tree.flatten(value)
+    except (TypeError, ValueError):  # a dict keyed by unorderable objects (a compiled Keras
+      continue  # model's per-layer state): no output can have its structure
     _add_containers(containers, treedef, [np.shape(x) if is_array(x) else None for x in leaves])
   out_pos = list(itertools.accumulate(traced, initial=0))
   found = {}

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -83,10 +84,84 @@ def cast_down(eqn, env: Env, invals: Sequence[Any]) -> list[Any | None]:
 def bind(eqn, env: Env, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
   """``compat.bind(eqn, invals, params)``; a matmul (dot_general, conv) some of whose inputs
   autocast cast down from float32 goes through ``jax.custom_jvp``, so that those inputs get
-  float32 gradients from a float32-output matmul."""
-  if eqn.primitive not in MATMULS:
-    return compat.bind(eqn, invals, params)
-  return _bind(eqn, env, invals, params)
+  float32 gradients from a float32-output matmul, and a 16-bit parameter broadcast to a larger
+  shape is broadcast so that its gradient is summed in float32 (``_summed_in_float32``)."""
+  if eqn.primitive in MATMULS:
+    return _bind(eqn, env, invals, params)
+  params = eqn.params if params is None else params
+  if _enabled and eqn.primitive is prims.broadcast_in_dim_p:
+    grows = np.size(invals[0]) < math.prod(params["shape"])
+    if grows and _is_16_bit_parameter(eqn.invars[0], invals[0], env):
+      broadcast = _summed_in_float32(params["shape"], params["broadcast_dimensions"], params)
+      return [compat.bind_like(eqn, broadcast, invals)]
+  if _enabled and eqn.primitive in _BROADCASTING and len(eqn.outvars) == 1:
+    shape = eqn.outvars[0].aval.shape  # a rank-0 operand, or one with size-1 dims, broadcasts
+    invals = [
+      compat.bind_like(
+        eqn, _summed_in_float32(shape, _trailing_dims(np.ndim(value), shape)), [value]
+      )
+      if compat.typeof(value).shape != shape and _is_16_bit_parameter(atom, value, env)
+      else value
+      for atom, value in zip(eqn.invars, invals, strict=True)
+    ]
+  return compat.bind(eqn, invals, params)
+
+
+# Elementwise primitives that take a rank-0 operand for one of their output's shape.
+_BROADCASTING = frozenset(
+  {
+    prims.add_p,
+    prims.sub_p,
+    prims.mul_p,
+    prims.div_p,
+    prims.max_p,
+    prims.min_p,
+    prims.pow_p,
+    prims.atan2_p,
+    prims.rem_p,
+  }
+)
+
+
+def _is_16_bit_parameter(atom, value, env: Env) -> bool:
+  """Whether ``value`` (bound for ``atom``) is a differentiable 16-bit parameter or constant: a
+  cast-down float32 one (a PReLU slope, a learnable temperature or gate) or one stored so."""
+  return (
+    not compat.is_literal(atom)
+    and not env.facts.is_computed(atom)
+    and compat.typeof(value).dtype in LOW_DTYPES
+    and compat.traced_now(value)
+  )
+
+
+def _summed_in_float32(shape: tuple, dims: tuple, params: dict | None = None) -> Callable:
+  """``broadcast_in_dim`` to ``shape`` (with ``params``, a broadcast eqn's own) whose tangent is
+  broadcast in float32 and then cast: the sum over the broadcast dims that transposes it, a
+  parameter's gradient, is float32, as torch's ``sum_to`` accumulates. A 16-bit sum of a large
+  cotangent is far off (XLA:CPU adds in bfloat16), and overflows in float16."""
+  key = (shape, dims, None if params is None else _freeze(params))
+  return _cached_summed_in_float32(key)
+
+
+@caches.lru_cache("weight_grads.float32_sums", maxsize=1024)
+def _cached_summed_in_float32(key: tuple) -> Callable[[Any], Any]:
+  shape, dims, params = key
+  if params is None:
+    broadcast = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=dims)
+  else:
+    broadcast = functools.partial(prims.broadcast_in_dim_p.bind, **dict(params))
+
+  @jax.custom_jvp
+  def summed_in_float32(operand):
+    return broadcast(operand)
+
+  def summed_in_float32_jvp(primals, tangents):
+    (operand,), (tangent,) = primals, tangents
+    wide = broadcast(lax.convert_element_type(tangent, FLOAT32))
+    return broadcast(operand), lax.convert_element_type(wide, compat.typeof(operand).dtype)
+
+  summed_in_float32.defjvp(summed_in_float32_jvp)
+  return summed_in_float32
 
 
 def bias_add(eqn, env: Env, bias, dtype: np.dtype) -> tuple[list[Any], list[Any]]:

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,6 +61,31 @@ def register_data_type(type_: type) -> None:
     nnx.register_data_type(type_)
 
 
+def with_call(module: Any, call: Callable) -> Any:
+  """nnx ``module`` with ``call`` as its ``__call__``: an instance of a subclass of its class that
+  shares its attributes (``__dict__``), what ``autocast(module)`` returns.
+
+  It is a module of the user's class, so in a model it keeps the paths of ``nnx.state``
+  (``block/linear/kernel``: a float32 checkpoint loads with ``nnx.update``), ``nnx.Optimizer``
+  trains it, and nnx's traversals (``nnx.capture``, ``model.eval()``) see it. Sharing the
+  attributes, it and ``module`` see each other's updates, Variables and submodules made in
+  ``__call__`` included."""
+  wrapped = object.__new__(_subclass_with_call(type(module), call))
+  object.__setattr__(wrapped, "__dict__", vars(module))
+  return wrapped
+
+
+@functools.cache
+def _subclass_with_call(module_type: type, call: Callable) -> type:
+  # A subclass of a Module declares whether it is a pytree; it stays what its base is.
+  options = (
+    {"pytree": module_type._pytree__is_pytree} if hasattr(module_type, "_pytree__is_pytree") else {}
+  )
+  name = f"Autocast{module_type.__name__}"
+  namespace = {"__call__": call, "__module__": module_type.__module__, "__qualname__": name}
+  return types.new_class(name, (module_type,), options, lambda ns: ns.update(namespace))
+
+
 def call_module(module: Any, *args: Any, **kwargs: Any) -> Any:
   """``module(*args, **kwargs)``: what ``autocast(module)`` runs, with the module an argument."""
   return module(*args, **kwargs)
@@ -74,31 +100,44 @@ def module_as_argument(fun: Callable, args: tuple) -> tuple[Callable, tuple]:
   return fun, args
 
 
+# The tag of the nnx update context that carries a call's graph changes back to its modules.
+_UPDATE_TAG = "jaxamp.autocast"
+
+
 def _pure_call(
   fun: Callable,
   graphdef: Any,
   is_module: tuple,
   treedef: Any,
   scoped: bool,
+  in_update_context: bool,
   state: Any,
   others: list,
-) -> tuple[Any, Any]:
-  """``fun`` on the modules rebuilt from ``state``; its output and the modules' new state.
+) -> tuple[Any, Any, Any]:
+  """``fun`` on the modules rebuilt from ``state``: its output, the modules' new state and their
+  new graph definition.
 
-  With ``scoped``, each submodule's calls are traced under a ``jax.named_scope`` of its attribute
-  path (``named_calls``)."""
+  With ``in_update_context``, the modules are rebuilt and split in ``_UPDATE_TAG``'s nnx update
+  context, so that the new graph can be merged back into the caller's modules. With ``scoped``,
+  each submodule's calls are traced under a ``jax.named_scope`` of its attribute path
+  (``named_calls``)."""
   nnx = _nnx()
-  merged = nnx.merge(graphdef, state)
+  tagged = lambda split_or_merge, *inner: (
+    split_or_merge(_UPDATE_TAG, *inner) if in_update_context else contextlib.nullcontext(nnx)
+  )
+  with tagged(nnx.merge_context, True) as ctx:
+    merged = ctx.merge(graphdef, state)
   inner_modules, inner_others = iter(merged), iter(others)
   inner = [next(inner_modules) if m else next(inner_others) for m in is_module]
   inner_args, inner_kwargs = jax.tree.unflatten(treedef, inner)
   with named_calls(merged) if scoped else contextlib.nullcontext():
     out = fun(*inner_args, **inner_kwargs)
-  new_state = nnx.state([leaf for leaf, m in zip(inner, is_module, strict=True) if m])
+  with tagged(nnx.split_context) as ctx:
+    new_graphdef, new_state = ctx.split(merged)
   # A Variable kept as a Ref (``nnx.var_defaults(ref=True)``) was written in place; a trace
   # cannot return a Ref.
   held = [(path, var) for path, var in nnx.to_flat_state(new_state) if not _holds_ref(var)]
-  return out, nnx.from_flat_state(held)
+  return out, nnx.from_flat_state(held), new_graphdef
 
 
 def _holds_ref(leaf: Any) -> bool:
@@ -204,16 +243,60 @@ def call_keeping_state(
   others = [leaf for leaf, m in zip(leaves, is_module, strict=True) if not m]
   graphdef, state = nnx.split(modules)
   # A partial of module-level values, so autocast's trace cache finds it again on the next call.
-  pure_fun = functools.partial(_pure_call, fun, graphdef, is_module, treedef, scoped)
-  out, new_state = call(pure_fun, (state, others), {})
+  pure_fun = functools.partial(_pure_call, fun, graphdef, is_module, treedef, scoped, False)
+  out, new_state, _ = call(pure_fun, (state, others), {})
   old = dict(nnx.to_flat_state(state))
   changed = [
     (path, var)
     for path, var in nnx.to_flat_state(new_state)
     if path not in old or not _same(var, old[path])
   ]
+  if not all(_can_update(modules, path) for path, _ in changed):
+    return _call_changing_graph(call, fun, modules, others, is_module, treedef, scoped)
   if changed:
     nnx.update(modules, nnx.from_flat_state(changed))
+  return out
+
+
+_ABSENT = object()
+
+
+def _can_update(modules: list, path: tuple) -> bool:
+  """Whether ``nnx.update`` can write a Variable at ``path`` of ``modules``: the nodes above it
+  exist, and it holds a Variable or nothing yet (``sow``). A Variable in place of another value
+  (``self.scale = nnx.Param(...)`` over a ``None``) or in a new submodule needs a graph change."""
+  graph = _nnx().graph
+  node = modules
+  for key in path:
+    impl = graph.get_node_impl(node)
+    if impl is None or isinstance(node, _nnx().Variable):
+      return False
+    node = impl.node_dict(node).get(key, _ABSENT)
+    if node is _ABSENT:
+      return key == path[-1]
+  return isinstance(node, _nnx().Variable) or compat.is_ref(node)
+
+
+def _call_changing_graph(
+  call: Callable,
+  fun: Callable,
+  modules: list,
+  others: list,
+  is_module: tuple,
+  treedef: Any,
+  scoped: bool,
+) -> Any:
+  """``call_keeping_state`` for a call that changes its modules' graph (a submodule or Variable
+  made in ``__call__``): ``nnx.update`` cannot add a subgraph, so the call runs again in an nnx
+  update context, as ``nnx.jit`` runs, and its new graph is merged into the modules."""
+  nnx = _nnx()
+  with nnx.update_context(_UPDATE_TAG):
+    with nnx.split_context(_UPDATE_TAG) as ctx:
+      graphdef, state = ctx.split(modules)
+    pure_fun = functools.partial(_pure_call, fun, graphdef, is_module, treedef, scoped, True)
+    out, new_state, new_graphdef = call(pure_fun, (state, others), {})
+    with nnx.merge_context(_UPDATE_TAG, False) as ctx:
+      ctx.merge(new_graphdef, new_state)
   return out
 
 

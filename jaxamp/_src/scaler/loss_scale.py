@@ -362,14 +362,34 @@ def _found_inf(grads: Any, axis_name: Any, factors: jax.Array) -> jax.Array:
   checked = jax.tree.map(lambda g: unscale(g) if _narrower_than_float32(g) else g, grads)
   found_inf = _tree_found_inf(checked)
   if axis_name is not None:
+    _check_axes_bound(axis_name)
     found_inf = lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
   return found_inf
+
+
+def _check_axes_bound(axis_name: Any) -> None:
+  """Raises JAX's ``NameError`` for an axis of ``axis_name`` that no enclosing ``shard_map`` or
+  ``pmap`` binds (a misspelling, or a step run outside them), saying what to pass: under
+  ``shard_map`` ``lax.pmax`` would fail with a bare assertion."""
+  for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+    try:
+      lax.axis_size(name)
+    except NameError as error:
+      raise NameError(
+        f"dynamic_loss_scale(axis_name={axis_name!r}): {name!r} is not an axis of an enclosing "
+        "shard_map or pmap here. Pass the mesh axis names the step is mapped over (the "
+        "`axis_names` of shard_map's mesh, pmap's `axis_name`), or axis_name=None outside "
+        f"them. ({error})"
+      ) from None
 
 
 def _no_op_update(shape: Any) -> jax.Array:
   """The update of a skipped step: -0.0, for ``param + -0.0`` is ``param`` bit for bit (``+0.0``
   would turn a ``-0.0`` parameter into ``+0.0``). Sharded like ``shape`` (an Explicit mesh types
-  it) and varying over the manual axes it varies over."""
+  it) and varying over the manual axes it varies over. A ``float0`` gradient (of an integer
+  leaf, ``jax.grad(allow_int=True)``) has the ``float0`` zero, as it has no values."""
+  if shape.dtype == jax.dtypes.float0:
+    return np.zeros(shape.shape, jax.dtypes.float0)
   update = lax.full(
     shape.shape, no_op_fill(shape.dtype), shape.dtype, sharding=getattr(shape, "sharding", None)
   )
