@@ -352,6 +352,8 @@ def _fill_every_cache(x):
 
   f = jaxamp.autocast(loss, device_type="cuda")
   jax.grad(f, argnums=(0, 1))(W, jnp.ones((8,)))
+  scaled = jaxamp.autocast(lambda s: jnp.sum((s * (x @ W)).astype(jnp.float32)), device_type="cuda")
+  jax.grad(scaled)(jnp.float32(2.0))  # a scalar parameter's broadcast gradient
   overridden = jaxamp.autocast(loss, device_type="cuda", overrides={"head": jnp.bfloat16})
   jax.grad(overridden, argnums=(0, 1))(W, jnp.ones((8,)))
   fp8 = jaxamp.autocast(loss, device_type="cuda", dtype=jnp.float8_e4m3fn)  # float8 matmuls
