@@ -80,12 +80,12 @@ def autocast(
     arrays, constants and inputs returned as they are included, is a ``jax.Array``, eagerly too;
     static values ``fun`` returns (Python numbers, strings) come back as they are.
 
-    For a module, an nnx Module or a pytree holding arrays (an Equinox module), an
-    ``AutocastModule``: a pytree whose one child is the module, which calls it with the module
-    passed as an argument. Its arrays stay leaves of any model it is put into, so
-    ``eqx.tree_at(lambda m: m.mlp, model, autocast(model.mlp))`` keeps them trainable (gradients,
-    optimizers, ``eqx.filter``), and an nnx module's state updates (BatchNorm statistics, RNG
-    counters) are written back to it. Its other attributes are the module's.
+    For an nnx Module, the module under a subclass of its class sharing its attributes, whose
+    calls are autocast: a model holding it keeps its ``nnx.state`` paths, and its state updates
+    (BatchNorm statistics, RNG counters) are the module's. For a pytree holding arrays (an
+    Equinox module), an ``AutocastModule``: a pytree node with the module's children and keys,
+    so ``eqx.tree_at(lambda m: m.mlp, model, autocast(model.mlp))`` keeps them trainable
+    (gradients, optimizers, ``eqx.filter``). Its other attributes are the module's.
   """
   if isinstance(fun, str):  # torch's spelling, autocast("cuda"): the device type comes first
     if device_type is not None and not isinstance(device_type, str):  # autocast("cuda", dtype)
