@@ -4,7 +4,8 @@
 autocasts one layer. ``autocast`` of a module that is a pytree holding arrays returns a pytree
 holding the module, so its arrays stay leaves of the model: gradients, optimizers and
 ``eqx.filter`` see them, and the call passes them to the autocast function as inputs. nnx modules
-become a subclass of their class sharing their attributes; functions, bound methods, partials and jitted functions are wrapped as before.
+become a subclass of their class sharing their attributes; functions, bound methods, partials and
+jitted functions are wrapped as before.
 """
 
 import functools
