@@ -76,7 +76,7 @@ REQUIRED_INTERNALS = {
 
 def _unexported_primitives() -> dict[str, Any]:
   """Primitives jaxamp has rules for that ``jax.extend.core.primitives`` does not export."""
-  from jax._src import callback, ffi, pjit, shard_map
+  from jax._src import callback, custom_batching, ffi, pjit, shard_map
   from jax._src.lax import control_flow, linalg
   from jax._src.lax import lax as lax_internal
   from jax._src.state import discharge
@@ -95,6 +95,7 @@ def _unexported_primitives() -> dict[str, Any]:
     "run_state_p": discharge.run_state_p,
     "shard_map_p": shard_map.shard_map_p,
     "composite_p": lax_internal.composite_p,
+    "custom_vmap_p": custom_batching.custom_vmap_p,  # jax.custom_batching.custom_vmap's call
     "optimization_barrier_p": control_flow.optimization_barrier_p,
     "ref_get_p": state_primitives.get_p,
     "pvary_p": _core.pvary_p,  # shard_map's cast of a replicated value to varying

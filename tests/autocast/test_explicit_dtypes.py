@@ -187,3 +187,79 @@ def test_an_integer_input_reduced_with_a_float_dtype_returns_that_dtype(device_t
   out = fun(counts)
   assert out.dtype == dtype
   np.testing.assert_array_equal(out, getattr(jnp, name)(counts, dtype=dtype))
+
+
+# Norm layers whose ``dtype=`` is their computation's (flax linen and nnx): given one, the layer
+# runs as written, as a reduction given ``dtype=`` does; without one the policy decides.
+def linen_norms(dtype):
+  import flax.linen as nn  # noqa: PLC0415
+
+  return {
+    "LayerNorm": nn.LayerNorm(dtype=dtype),
+    "RMSNorm": nn.RMSNorm(dtype=dtype),
+    "GroupNorm": nn.GroupNorm(num_groups=2, dtype=dtype),
+    "BatchNorm": nn.BatchNorm(use_running_average=True, dtype=dtype),
+    "InstanceNorm": nn.InstanceNorm(dtype=dtype),
+  }
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("name", sorted(linen_norms(None)))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.slow_after_first
+def test_a_linen_norm_layers_explicit_dtype_is_kept_bit_for_bit(device_type, name, dtype):
+  layer = linen_norms(dtype)[name]
+  x = jax.random.normal(jax.random.key(2), (2, 4, 4, 8))
+  variables = layer.init(jax.random.key(3), x)
+  out = jaxamp.autocast(layer.apply, device_type=device_type)(variables, x)
+  assert out.dtype == dtype
+  np.testing.assert_array_equal(out, layer.apply(variables, x))
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+def test_a_training_batch_norms_explicit_dtype_is_kept_with_its_float32_statistics(device_type):
+  import flax.linen as nn  # noqa: PLC0415
+
+  layer = nn.BatchNorm(use_running_average=False, dtype=jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(2), (2, 4, 4, 8))
+  variables = layer.init(jax.random.key(3), x)
+  apply = jaxamp.autocast(layer.apply, device_type=device_type)
+  out, stats = apply(variables, x, mutable=["batch_stats"])
+  expected, expected_stats = layer.apply(variables, x, mutable=["batch_stats"])
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out, expected)
+  jax.tree.map(np.testing.assert_array_equal, stats, expected_stats)
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
+def test_an_nnx_norm_layers_explicit_dtype_is_kept_bit_for_bit(device_type, name):
+  from flax import nnx  # noqa: PLC0415
+
+  layer = getattr(nnx, name)(8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  out = jaxamp.autocast(layer, device_type=device_type)(X)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out, layer(X))
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_a_norm_layer_without_a_dtype_follows_the_policy(device_type):
+  import flax.linen as nn  # noqa: PLC0415
+
+  layer = nn.LayerNorm()
+  variables = layer.init(jax.random.key(3), X)
+  out = jaxamp.autocast(lambda v, x, w: layer.apply(v, x @ w), device_type=device_type)(
+    variables, X, W
+  )
+  # cuda: layer_norm is on the float32 list; cpu: it returns its (bfloat16) input's dtype
+  assert out.dtype == (jnp.float32 if device_type == "cuda" else jnp.bfloat16)
+
+
+def test_explain_names_the_norms_explicit_dtype_row():
+  import flax.linen as nn  # noqa: PLC0415
+
+  layer = nn.LayerNorm(dtype=jnp.bfloat16)
+  variables = layer.init(jax.random.key(3), X)
+  decisions = jaxamp.explain(layer.apply, device_type="cuda")(variables, X).decisions
+  assert {d.op for d in decisions} == {"layer_norm[dtype]"}
+  assert all("layer_norm(dtype=...)" in d.torch_ops for d in decisions)

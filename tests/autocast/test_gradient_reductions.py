@@ -462,6 +462,30 @@ def test_a_scalar_parameters_gradient_is_summed_in_float32_as_torchs_sum_to(poli
   assert grad.dtype == jnp.float32 and float(grad) == 32768.0
 
 
+@pytest.mark.parametrize("policy", ["cuda", "cpu"])
+@pytest.mark.parametrize("computed", ["exp", "tanh"])
+def test_a_computed_scalars_gradient_is_summed_in_float32(policy, computed):
+  # CLIP's exp(logit_scale) times the similarity matrix, a tanh gate: one element broadcast over
+  # the whole product, whose gradient torch's sum_to accumulates in float32
+  fun = getattr(jnp, computed)
+  loss = lambda s, x, w: jnp.sum((fun(s) * (x @ w)).astype(jnp.float32))
+  s = jnp.float32(0.5)
+  grad = jax.grad(jaxamp.autocast(loss, device_type=policy))(s, SUM_X, SUM_W)
+  np.testing.assert_allclose(grad, jax.grad(loss)(s, SUM_X, SUM_W), rtol=2**-7)
+
+
+@pytest.mark.parametrize("keepdims_axis,summed", [(None, True), (1, False)])
+def test_a_computed_value_gets_the_float32_sum_only_when_it_has_one_element(keepdims_axis, summed):
+  # h - mean(h): the global mean is broadcast over all of h; a keepdims mean (a norm's statistic)
+  # is an activation summed along one dim, whose broadcast stays a plain one
+  def loss(x, w):
+    h = x @ w
+    return jnp.sum((h - jnp.mean(h, axis=keepdims_axis, keepdims=True)).astype(jnp.float32))
+
+  jaxpr = jax.make_jaxpr(jaxamp.autocast(loss, device_type="cpu"))(SUM_X, SUM_W)
+  assert ("name=summed_in_float32" in str(jaxpr)) == summed
+
+
 def test_a_prelu_slopes_gradient_is_summed_in_float32():
   x = jax.random.normal(jax.random.key(0), (32, 8, 32, 32))
   loss = lambda a, x: jnp.mean(jaxamp.functional.prelu(x, a) ** 2)

@@ -44,6 +44,14 @@ def _custom_vjp_block():
   return f
 
 
+def _custom_vmap_block():
+  f = jax.custom_batching.custom_vmap(block)
+  f.def_vmap(
+    lambda size, batched, x, w: (jax.vmap(block, [0 if b else None for b in batched])(x, w), True)
+  )
+  return f
+
+
 def _shard_map(fun):
   mesh = jax.make_mesh((1,), ("d",))
   return jax.shard_map(fun, mesh=mesh, in_specs=(P(), P()), out_specs=P())
@@ -72,6 +80,8 @@ HIGHER_ORDER = {
   "remat": lambda x, w: jax.checkpoint(block)(x, w),
   "custom_jvp": lambda x, w: _custom_jvp_block()(x, w),
   "custom_vjp": lambda x, w: _custom_vjp_block()(x, w),
+  "custom_vmap": lambda x, w: _custom_vmap_block()(x, w),
+  "sequential_vmap": lambda x, w: jax.custom_batching.sequential_vmap(block)(x, w),
   "shard_map": lambda x, w: _shard_map(block)(x, w),
 }
 
@@ -93,7 +103,10 @@ def test_dtypes_inside_higher_order_primitive(name, device_type, low, exp_dtype)
   assert sums and all(ins == (jnp.float32,) for ins in sums), sums
 
 
-@pytest.mark.parametrize("name", sorted(set(HIGHER_ORDER) - {"while"}))
+# JAX has no reverse mode for a while loop, nor for a custom_vmap that no vmap has replaced
+@pytest.mark.parametrize(
+  "name", sorted(set(HIGHER_ORDER) - {"while", "custom_vmap", "sequential_vmap"})
+)
 @pytest.mark.slow
 def test_gradients_through_higher_order_primitive_are_float32(name):
   fun = jaxamp.autocast(HIGHER_ORDER[name], device_type="cuda")
@@ -223,3 +236,61 @@ def test_a_matmul_in_a_sharding_region_of_another_axis_type_runs_low(region, dev
     out = jax.jit(jaxamp.autocast(matmul, device_type=device_type))(x, w)
   assert out.dtype == low
   np.testing.assert_array_equal(out.astype(jnp.float32), jnp.full((8, 8), 8.0))
+
+
+# --- jax.custom_batching: the function and its vmap rule, whichever transform comes first ------
+
+VMAPPED_X = jnp.stack([X, 2 * X, 3 * X])
+
+
+def _counted_custom_vmap():
+  """``tanh(x @ w)`` as a custom_vmap whose rule counts its calls."""
+  calls = []
+
+  @jax.custom_batching.custom_vmap
+  def f(x, w):
+    return jnp.tanh(x @ w)
+
+  @f.def_vmap
+  def rule(size, batched, x, w):
+    calls.append(size)
+    return jnp.tanh(jnp.einsum("bij,jk->bik", x, w)), batched[0]
+
+  return f, calls
+
+
+@pytest.mark.parametrize("device_type,low,_", POLICIES)
+@pytest.mark.parametrize("order", ["vmap_outside", "vmap_inside", "vmap_of_jit"])
+def test_a_custom_vmaps_rule_runs_autocast_whichever_transform_comes_first(
+  device_type, low, _, order
+):
+  f, calls = _counted_custom_vmap()
+  autocast = lambda g: jaxamp.autocast(g, device_type=device_type)
+  vmap = lambda g: jax.vmap(g, in_axes=(0, None))
+  fun = {
+    "vmap_outside": vmap(autocast(f)),
+    "vmap_inside": autocast(vmap(f)),
+    "vmap_of_jit": vmap(jax.jit(autocast(f))),
+  }[order]
+  out = fun(VMAPPED_X, W)
+  assert calls == [3] and out.dtype == low
+  expected = autocast(lambda x, w: jnp.tanh(jnp.einsum("bij,jk->bik", x, w)))(VMAPPED_X, W)
+  np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("device_type,low,_", POLICIES)
+def test_a_sequential_vmap_under_vmap_runs_each_call_autocast(device_type, low, _):
+  f = jax.custom_batching.sequential_vmap(lambda x, w: jnp.tanh(x @ w))
+  outside = jax.vmap(jaxamp.autocast(f, device_type=device_type), in_axes=(0, None))
+  inside = jaxamp.autocast(jax.vmap(f, in_axes=(0, None)), device_type=device_type)
+  assert outside(VMAPPED_X, W).dtype == inside(VMAPPED_X, W).dtype == low
+  np.testing.assert_array_equal(outside(VMAPPED_X, W), inside(VMAPPED_X, W))
+
+
+def test_gradients_through_a_vmapped_custom_vmap_are_float32():
+  f, _ = _counted_custom_vmap()
+  fun = jax.vmap(jaxamp.autocast(f, device_type="cuda"), in_axes=(0, None))
+  grad = jax.grad(lambda w: fun(VMAPPED_X, w).astype(jnp.float32).sum())(W)
+  expected = jax.grad(lambda w: jax.vmap(f, in_axes=(0, None))(VMAPPED_X, w).sum())(W)
+  assert grad.dtype == jnp.float32
+  np.testing.assert_allclose(grad, expected, rtol=2e-2, atol=1e-3)

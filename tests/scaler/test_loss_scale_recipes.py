@@ -439,3 +439,64 @@ def test_recipe_line_search_on_unscaled_gradients_matches_plain_lbfgs_while_the_
   assert jaxamp.scaler.get_scale(state) == 16.0 * 2**5
   # Not bit for bit under jit: XLA:CPU fuses the two programs differently (an FMA in one only).
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), scaled, plain)
+
+
+# --- inner optimizers handed the objective itself (sam's grad_fn, sophia's obj_fn) ---------------
+
+
+def _sam(opaque_mode):
+  return optax.contrib.sam(
+    optax.sgd(0.1), optax.chain(optax.contrib.normalize(), optax.sgd(0.05)), opaque_mode=opaque_mode
+  )
+
+
+def test_sams_opaque_grad_fn_through_the_scaler_is_a_value_error():
+  tx = jaxamp.dynamic_loss_scale(_sam(opaque_mode=True), init_scale=16.0)
+  state = tx.init(PARAMS)
+  grad_fn = lambda p, _: jax.grad(lambda q: jaxamp.scale_loss(loss_fn(q), state))(p)
+  with pytest.raises(ValueError, match=r"`grad_fn`.*sam\(opaque_mode=True\).*opaque_mode=False"):
+    tx.update(grad_fn(PARAMS, 0), state, PARAMS, grad_fn=grad_fn)
+
+
+def test_sophias_obj_fn_through_the_scaler_is_a_value_error():
+  tx = jaxamp.dynamic_loss_scale(optax.contrib.sophia(0.01), init_scale=16.0)
+  state = tx.init(PARAMS)
+  obj_fn = lambda q: jaxamp.scale_loss(loss_fn(q), state)
+  with pytest.raises(ValueError, match="`obj_fn`.*sophia.*jaxamp.unscale"):
+    tx.update(jax.grad(obj_fn)(PARAMS), state, PARAMS, obj_fn=obj_fn)
+
+
+def _steps(tx, scaled, steps=4, **objective):
+  """``steps`` jitted steps of ``tx`` on ``loss_fn``; ``scaled``: through the loss scale, with
+  ``jaxamp.unscale``'s ``found_inf=`` when an objective function is passed."""
+
+  @jax.jit
+  def step(params, state):
+    if not scaled:
+      grads, extra = jax.grad(loss_fn)(params), {}
+    else:
+      grads = jax.grad(lambda q: jaxamp.scale_loss(loss_fn(q), state))(params)
+      extra = {}
+      if objective:
+        grads, extra["found_inf"] = jaxamp.unscale(grads, state)
+    updates, state = tx.update(grads, state, params, **objective, **extra)
+    return optax.apply_updates(params, updates), state
+
+  params, state = PARAMS, tx.init(PARAMS)
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params
+
+
+def test_recipe_sam_in_its_default_mode_through_the_scaler_matches_plain_sam():
+  # every gradient, the adversarial steps' too, arrives as `updates`: unscaled and checked
+  plain = _steps(_sam(opaque_mode=False), scaled=False)
+  scaled = _steps(jaxamp.dynamic_loss_scale(_sam(opaque_mode=False), init_scale=2.0**10), True)
+  jax.tree.map(np.testing.assert_array_equal, scaled, plain)
+
+
+def test_recipe_sophia_on_unscaled_gradients_with_an_unscaled_obj_fn_matches_plain_sophia():
+  sophia = lambda: optax.contrib.sophia(0.01, update_interval=1)
+  plain = _steps(sophia(), scaled=False, obj_fn=loss_fn)
+  scaled = _steps(jaxamp.dynamic_loss_scale(sophia(), init_scale=2.0**10), True, obj_fn=loss_fn)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), scaled, plain)

@@ -655,6 +655,36 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
   return list(autocast_fun(*invals))
 
 
+def _custom_vmap_rule(eqn, invals, env, ctx):
+  """The function autocast, and its vmap rule autocast when a vmap calls it: the dtypes are
+  the same whether ``vmap`` comes before or after autocast (``jax.custom_batching``'s
+  ``custom_vmap`` and ``sequential_vmap``)."""
+  body = _rewrite_call(eqn.params["call"], eqn, invals, env, ctx)
+  rule, in_tree = eqn.params["rule"], eqn.params["in_tree"]
+  path = sub_path(env.path, eqn, "rule")
+
+  @jax.custom_batching.custom_vmap
+  def autocast_fun(*xs):
+    return compat.jaxpr_as_fun(body)(*xs)
+
+  @autocast_fun.def_vmap
+  def autocast_rule(axis_size, in_batched, *xs):
+    out_batched = []
+
+    def traced_rule(*values):
+      # the rule as JAX calls it: (axis_size, (consts', args' batched), consts, args)
+      all_batched = jax.tree.unflatten(in_tree, list(in_batched))
+      outs, batched = rule(axis_size, all_batched, *jax.tree.unflatten(in_tree, list(values)))
+      out_batched.append(jax.tree.leaves(batched))
+      return jax.tree.leaves(outs)
+
+    closed = compat.trace(traced_rule, [compat.typeof(x) for x in xs])
+    outs = evaluate(closed.jaxpr, closed.consts, list(xs), ctx, path=path)
+    return _match(outs, [aval.dtype for aval in body.out_avals]), out_batched[0]
+
+  return list(autocast_fun(*invals))
+
+
 def _backward(bwd: Callable, args: list, ctx: Context, path: str) -> list:
   """``bwd(*args)``, a custom_vjp's backward, where the eqns that recompute its forward (traced
   from the forward's sites, ``ctx.recomputed``) run autocast as the forward did, and the rest as
@@ -855,6 +885,7 @@ BODY_RULES: dict[Any, rules.BodyRule] = {
   prims.linear_solve_p: _linear_solve_rule,
   prims.custom_jvp_call_p: _custom_jvp_rule,
   prims.custom_vjp_call_p: _custom_vjp_rule,
+  prims.custom_vmap_p: _custom_vmap_rule,
 }
 
 # The rules autocast evaluates with: ``rules.py``'s and these.

@@ -91,7 +91,7 @@ def bind(eqn, env: Env, invals: Sequence[Any], params: dict | None = None) -> li
   params = eqn.params if params is None else params
   if _enabled and eqn.primitive is prims.broadcast_in_dim_p:
     grows = np.size(invals[0]) < math.prod(params["shape"])
-    if grows and _is_16_bit_parameter(eqn.invars[0], invals[0], env):
+    if grows and _gets_a_float32_sum(eqn.invars[0], invals[0], env):
       broadcast = _summed_in_float32(params["shape"], params["broadcast_dimensions"], params)
       return [compat.bind_like(eqn, broadcast, invals)]
   if _enabled and eqn.primitive in _BROADCASTING and len(eqn.outvars) == 1:
@@ -100,7 +100,7 @@ def bind(eqn, env: Env, invals: Sequence[Any], params: dict | None = None) -> li
       compat.bind_like(
         eqn, _summed_in_float32(shape, _trailing_dims(np.ndim(value), shape)), [value]
       )
-      if compat.typeof(value).shape != shape and _is_16_bit_parameter(atom, value, env)
+      if compat.typeof(value).shape != shape and _gets_a_float32_sum(atom, value, env)
       else value
       for atom, value in zip(eqn.invars, invals, strict=True)
     ]
@@ -123,12 +123,15 @@ _BROADCASTING = frozenset(
 )
 
 
-def _is_16_bit_parameter(atom, value, env: Env) -> bool:
-  """Whether ``value`` (bound for ``atom``) is a differentiable 16-bit parameter or constant: a
-  cast-down float32 one (a PReLU slope, a learnable temperature or gate) or one stored so."""
+def _gets_a_float32_sum(atom, value, env: Env) -> bool:
+  """Whether the broadcast ``value`` (bound for ``atom``) is differentiable and 16-bit, and a
+  parameter or constant (a cast-down float32 one, a PReLU slope, a learnable temperature or
+  gate, or one stored so) or a computed value of one element (CLIP's ``exp(logit_scale)``, a
+  gate's ``tanh``): what torch's ``sum_to`` sums over a whole cotangent. A computed value of more
+  elements (a norm's ``keepdims`` mean) is an activation summed along a few dims only."""
   return (
     not compat.is_literal(atom)
-    and not env.facts.is_computed(atom)
+    and (not env.facts.is_computed(atom) or np.size(value) == 1)
     and compat.typeof(value).dtype in LOW_DTYPES
     and compat.traced_now(value)
   )

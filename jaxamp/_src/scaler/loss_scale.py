@@ -635,8 +635,8 @@ def dynamic_loss_scale(
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
 
-    if found_inf is None and "value_fn" in extra_args:
-      raise ValueError(_LINE_SEARCH_MESSAGE)
+    if found_inf is None:
+      _refuse_objective_functions(extra_args)
     updates = _row_major_on_cpu(updates)  # the check's and the cond's operands: one layout
     # The factors (~100 scalar integer ops) are computed before the cond: inside its branch
     # XLA fuses them into every leaf's update, which tripled the compile time at 516 leaves.
@@ -694,11 +694,37 @@ def _inner_init(inner: optax.GradientTransformation, params: optax.Params) -> op
   return state
 
 
-_LINE_SEARCH_MESSAGE = (
-  "dynamic_loss_scale cannot give `value_fn` to a line-search optimizer (optax.lbfgs, "
-  "optax.scale_by_zoom_linesearch): it stores the loss value and gradient of one step's loss "
-  "scale and compares them with the next step's, so each change of the scale misleads the "
-  "search. torch's GradScaler.step refuses a closure for the same reason. Run line searches "
-  "without dynamic_loss_scale (on a float32 or bfloat16 objective), or unscale first with "
-  "`jaxamp.unscale` and pass its `found_inf=` with an unscaled `value`, `grad` and `value_fn`."
-)
+# Extra arguments that hand the inner optimizer the objective itself, which it evaluates or
+# differentiates on its own: what it computes from them is of the scaled loss, neither unscaled
+# nor checked for inf/NaN (torch's GradScaler.step refuses a closure for the same reason).
+_OBJECTIVE_ARGUMENTS = {
+  "value_fn": (
+    "a line-search optimizer (optax.lbfgs, optax.scale_by_zoom_linesearch)",
+    "it stores the loss value and gradient of one step's loss scale and compares them with the "
+    "next step's, so each change of the scale misleads the search",
+    "Run line searches without dynamic_loss_scale (on a float32 or bfloat16 objective)",
+  ),
+  "grad_fn": (
+    "optax.contrib.sam(opaque_mode=True)",
+    "the gradients it takes at the adversarial parameters are of the scaled loss, neither "
+    "unscaled nor checked for inf/NaN",
+    "Use sam's default opaque_mode=False, whose every gradient passes through the scaler",
+  ),
+  "obj_fn": (
+    "optax.contrib.sophia",
+    "its Hessian estimate of the scaled loss is `scale` times too large and never checked for "
+    "inf/NaN",
+    "Run sophia without dynamic_loss_scale (on a float32 or bfloat16 objective)",
+  ),
+}
+
+
+def _refuse_objective_functions(extra_args: dict) -> None:
+  """A ValueError for an extra argument of ``_OBJECTIVE_ARGUMENTS`` given without ``found_inf``."""
+  for name, (optimizer, reason, alternative) in _OBJECTIVE_ARGUMENTS.items():
+    if name in extra_args:
+      raise ValueError(
+        f"dynamic_loss_scale cannot give `{name}` to {optimizer}: {reason}. {alternative}, "
+        "or unscale first with `jaxamp.unscale` and pass its `found_inf=` with a "
+        f"`{name}` of the unscaled loss."
+      )
