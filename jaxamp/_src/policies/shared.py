@@ -138,9 +138,9 @@ RANDOM_DRAWS = (
 # Ops called with an explicit ``dtype=`` are not eligible (torch's op reference): they compute in
 # and return that dtype. A reduction or scan whose floating result has a dtype none of its
 # floating inputs has was given one (``op_calls``: the variant ``[dtype]``); JAX's var and std
-# take ``dtype=`` too, and so do the norm layers of flax and Keras, whose ``dtype=`` is the
-# computation's (``nn.LayerNorm(dtype=jnp.bfloat16)`` of a float32 input returns bfloat16). A
-# request equal to the traced input's dtype leaves no trace to find.
+# take ``dtype=`` too, and so do flax's norm layers, whose ``dtype=`` is the computation's
+# (``nn.LayerNorm(dtype=jnp.bfloat16)`` of a float32 input returns bfloat16). A request equal to
+# the traced input's dtype leaves no trace to find.
 EXPLICIT_DTYPE_OPS = (
   *("sum", "prod", "mean", "var", "std", "cumsum", "cumprod"),
   *("layer_norm", "group_norm", "rms_norm", "batch_norm", "instance_norm"),
