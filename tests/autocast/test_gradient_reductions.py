@@ -514,8 +514,8 @@ def test_without_weight_grads_a_scalar_parameters_gradient_is_a_16_bit_sum():
     grad = jax.grad(jaxamp.autocast(loss, device_type="cpu"))
     jaxpr = jax.make_jaxpr(grad)(jnp.float32(2.0), SUM_X, SUM_W).jaxpr
   jaxamp.clear_caches()
-  producers = {id(var): eqn for eqn in jaxpr.eqns for var in eqn.outvars}
-  eqn = producers[id(jaxpr.outvars[0])]
+  producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
+  eqn = producers[jaxpr.outvars[0]]
   while eqn.primitive.name == "convert_element_type":
-    eqn = producers[id(eqn.invars[0])]
+    eqn = producers[eqn.invars[0]]
   assert eqn.primitive.name == "reduce_sum" and eqn.outvars[0].aval.dtype == jnp.bfloat16
