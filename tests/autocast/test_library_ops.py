@@ -278,6 +278,7 @@ EXAMPLES = {
   ("equinox.nn", "AvgPool1d.__call__"): (eqx.nn.AvgPool1d(2), (x_of(3, 4),)),
   ("equinox.nn", "AvgPool2d.__call__"): (eqx.nn.AvgPool2d(2), (x_of(3, 4, 4),)),
   ("equinox.nn", "AvgPool3d.__call__"): (eqx.nn.AvgPool3d(2), (x_of(3, 4, 4, 4),)),
+  ("equinox.nn", "AdaptivePool.__call__"): (eqx.nn.AdaptiveAvgPool2d(2), (x_of(3, 4, 4),)),
   ("flax.linen", "LSTMCell.__call__"): linen(nn.LSTMCell(4), (X, X), X),
   ("flax.linen", "OptimizedLSTMCell.__call__"): linen(nn.OptimizedLSTMCell(4), (X, X), X),
   ("flax.linen", "GRUCell.__call__"): linen(nn.GRUCell(4), X, X),
@@ -306,6 +307,12 @@ EXAMPLES = {
   ("keras.layers", "UpSampling3D.call"): keras_layer("UpSampling3D", inputs=x_of(2, 2, 2, 2, 3)),
   ("keras.src.backend.jax.nn", "average_pool"): keras_function(
     "average_pool", lambda f, x: f(x, (2, 2), (2, 2), padding="same"), x_of(2, 3, 3, 4)
+  ),
+  ("keras.src.backend.jax.nn", "adaptive_average_pool"): keras_function(
+    "adaptive_average_pool", lambda f, x: f(x, 2), x_of(2, 4, 4, 3)
+  ),
+  ("keras.src.backend.jax.nn", "adaptive_max_pool"): keras_function(
+    "adaptive_max_pool", lambda f, x: f(x, 2), x_of(2, 4, 4, 3)
   ),
   ("keras.src.backend.jax.nn", "categorical_crossentropy"): keras_function(
     "categorical_crossentropy", lambda f, p, y: f(y, p), jax.nn.softmax(LOGITS), LABELS
@@ -366,17 +373,21 @@ def test_every_entry_has_an_example():
   assert {(module, path) for module, path, _ in library_ops.LIBRARY_OPS} == set(EXAMPLES)
 
 
-def _skip_where_jax_lacks_it(entry) -> None:
+def _skip_where_the_library_lacks_it(entry) -> None:
   module, path, _ = entry
-  if entry in library_ops.EAGER_OPS_IF_PRESENT and not hasattr(
-    importlib.import_module(module), path
-  ):
-    pytest.skip(f"{module}.{path} is newer than this jax ({jax.__version__})")
+  if entry not in library_ops.EAGER_OPS_IF_PRESENT + library_ops.LAZY_OPS_IF_PRESENT:
+    return
+  try:
+    regions.resolve(module, path)
+  except ImportError:
+    pytest.skip(f"{module} is not installed (the thirdparty extra)")
+  except AttributeError:
+    pytest.skip(f"{module}.{path} is newer than the installed {module}")
 
 
 @pytest.mark.parametrize("entry", library_ops.LIBRARY_OPS, ids=_entry_id)
 def test_every_entry_resolves_to_a_python_function(entry):
-  _skip_where_jax_lacks_it(entry)
+  _skip_where_the_library_lacks_it(entry)
   module, path, _ = entry
   if EXAMPLES[module, path][0] is None:
     pytest.skip(f"{module} is not installed (the thirdparty extra)")
@@ -386,7 +397,7 @@ def test_every_entry_resolves_to_a_python_function(entry):
 
 @pytest.mark.parametrize("entry", library_ops.LIBRARY_OPS, ids=_entry_id)
 def test_eqns_traced_inside_every_entry_are_recognised_as_its_op(entry):
-  _skip_where_jax_lacks_it(entry)
+  _skip_where_the_library_lacks_it(entry)
   module, path, name = entry
   fun, args = EXAMPLES[module, path]
   if fun is None:
@@ -509,6 +520,37 @@ POOLS_3D = {
   "eqx.nn.AvgPool3d": lambda h: eqx.nn.AvgPool3d(2, 2)(h),
   "flax max_pool of one example": lambda h: nn.max_pool(h[None], (2, 2, 2), (2, 2, 2))[0],
 }
+
+
+def _keras_adaptive_pool(name: str, size):
+  def pool(h):
+    keras = pytest.importorskip("keras")
+    if not hasattr(keras.layers, name):
+      pytest.skip(f"keras.layers.{name} is newer than Keras {keras.__version__}")
+    return getattr(keras.layers, name)(size)(h[None])[0]
+
+  return pool
+
+
+# Adaptive pools (torch's adaptive_{avg,max}_pool*d): Equinox's reduce one axis after another with
+# jnp.mean or jnp.max, Keras's with 1-D window reductions; sizes 4 -> 2 split evenly, 4 -> 3 not.
+for size in (2, 3):
+  POOLS_2D |= {
+    f"eqx.nn.AdaptiveAvgPool2d({size})": eqx.nn.AdaptiveAvgPool2d(size),
+    f"eqx.nn.AdaptiveMaxPool2d({size})": eqx.nn.AdaptiveMaxPool2d(size),
+    f"keras AdaptiveAveragePooling2D({size})": _keras_adaptive_pool(
+      "AdaptiveAveragePooling2D", size
+    ),
+    f"keras AdaptiveMaxPooling2D({size})": _keras_adaptive_pool("AdaptiveMaxPooling2D", size),
+  }
+  POOLS_3D |= {
+    f"eqx.nn.AdaptiveAvgPool3d({size})": eqx.nn.AdaptiveAvgPool3d(size),
+    f"eqx.nn.AdaptiveMaxPool3d({size})": eqx.nn.AdaptiveMaxPool3d(size),
+    f"keras AdaptiveAveragePooling3D({size})": _keras_adaptive_pool(
+      "AdaptiveAveragePooling3D", size
+    ),
+    f"keras AdaptiveMaxPooling3D({size})": _keras_adaptive_pool("AdaptiveMaxPooling3D", size),
+  }
 
 
 def _pooled_under_cpu(pool, example_shape, batched):

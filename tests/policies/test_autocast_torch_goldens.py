@@ -17,6 +17,7 @@ import functools
 import types
 from collections.abc import Callable
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -445,6 +446,14 @@ LIBRARY_COUNTERPARTS: dict[str, tuple[str, Callable[..., jax.Array]]] = {
   "kl_div_sum@optax": ("kl_div_sum", lambda x, t: jnp.sum(optax.kl_divergence(x, t))),
   "logsumexp@jax.scipy": ("logsumexp", lambda x: jax.scipy.special.logsumexp(x, axis=1)),
   "cumsum_long@lax": ("cumsum_long", lambda x: lax.cumsum(x, axis=1)),
+  "adaptive_avg_pool3d@equinox": (
+    "adaptive_avg_pool3d",
+    lambda x: jax.vmap(eqx.nn.AdaptiveAvgPool3d(2))(x),
+  ),
+  "adaptive_max_pool3d@equinox": (
+    "adaptive_max_pool3d",
+    lambda x: jax.vmap(eqx.nn.AdaptiveMaxPool3d(2))(x),
+  ),
   "avg_pool2d_wide@flax": (
     "avg_pool2d_wide",
     lambda x: nn.avg_pool(x.transpose(0, 2, 3, 1), (16, 16), (16, 16)).transpose(0, 3, 1, 2),

@@ -162,6 +162,9 @@ LAZY_OPS = (
   ("equinox.nn", "AvgPool1d.__call__", "avg_pool"),
   ("equinox.nn", "AvgPool2d.__call__", "avg_pool"),
   ("equinox.nn", "AvgPool3d.__call__", "avg_pool"),
+  # torch's adaptive_{avg,max}_pool{1,2,3}d: its dimensions by how many it pools
+  # (``op_calls.chained_pooled_dims``), as one code object serves every Equinox adaptive pool
+  ("equinox.nn", "AdaptivePool.__call__", "adaptive_pool"),
   # Recurrent cells, one step: torch's GRUCell, LSTMCell and RNNCell (lstm_cell, gru_cell and
   # rnn_*_cell on the CUDA list). Where a table has no row for them (CPU), their matmuls follow
   # the primitive rule, as torch's CPU cells decompose into linear.
@@ -205,10 +208,14 @@ LAZY_OPS = (
   ("keras.losses", "binary_focal_crossentropy", "binary_cross_entropy"),
 )
 
-# Functions of newer jax versions than the oldest supported: recognised where jax has them.
+# Functions of newer versions than the oldest supported: recognised where the library has them.
 EAGER_OPS_IF_PRESENT = (
   ("jax.scipy.special", "erfcx", "special_erfcx"),
   ("jax.scipy.special", "dawsn", "special_dawsn"),
 )
+LAZY_OPS_IF_PRESENT = (  # Keras 3.13+
+  ("keras.src.backend.jax.nn", "adaptive_average_pool", "adaptive_pool"),
+  ("keras.src.backend.jax.nn", "adaptive_max_pool", "adaptive_pool"),
+)
 
-LIBRARY_OPS = EAGER_OPS + EAGER_OPS_IF_PRESENT + LAZY_OPS
+LIBRARY_OPS = EAGER_OPS + EAGER_OPS_IF_PRESENT + LAZY_OPS + LAZY_OPS_IF_PRESENT

@@ -76,19 +76,62 @@ WINDOW_REDUCTIONS = frozenset(
 )
 
 
+# Reductions that pool where no window reduction does: Equinox's adaptive pools reduce one axis at a
+# time with ``jnp.mean``/``jnp.max``. They count as pooling only in these ops (a norm's mean and
+# variance are no pooling).
+PLAIN_REDUCTIONS = frozenset(
+  {
+    compat.primitives.reduce_sum_p,
+    compat.primitives.reduce_max_p,
+    compat.primitives.reduce_min_p,
+  }
+)
+POOLS_OF_PLAIN_REDUCTIONS = frozenset({"adaptive_pool"})
+
+
 def pooled_dims(eqn) -> int | None:
   """How many dimensions the first window reduction in ``eqn`` (or its bodies) pools over: those
   with a window or a stride above 1. Not the rank, which a batch dimension (``vmap``, Equinox's
   unbatched layers' added axis) changes; None without a window reduction."""
   if eqn.primitive in WINDOW_REDUCTIONS:
-    sizes = zip(eqn.params["window_dimensions"], eqn.params["window_strides"], strict=True)
-    return sum(window > 1 or stride > 1 for window, stride in sizes)
+    return _windowed_dims(eqn)
   for body in compat.sub_jaxprs(eqn):
     for inner in body.eqns:
       dims = pooled_dims(inner)
       if dims is not None:
         return dims
   return None
+
+
+def _windowed_dims(eqn) -> int:
+  sizes = zip(eqn.params["window_dimensions"], eqn.params["window_strides"], strict=True)
+  return sum(window > 1 or stride > 1 for window, stride in sizes)
+
+
+def chained_pooled_dims(eqns, plain_reductions: bool = False) -> int | None:
+  """How many dimensions the pooling steps of ``eqns`` pool over along their longest chain of
+  dataflow: an adaptive pool pools one dimension after another (Keras's 3-D one with three
+  1-D window reductions, Equinox's with three means). Window reductions count the dimensions
+  they pool; with ``plain_reductions``, so do reductions, by their axes. None without a step."""
+  depth: dict = {}
+  deepest = None
+  for eqn in eqns:
+    step = _pooling_step(eqn, plain_reductions)
+    reached = max((depth.get(v, 0) for v in eqn.invars if not compat.is_literal(v)), default=0)
+    if step is not None:
+      reached += step
+      deepest = max(deepest or 0, reached)
+    depth.update((v, reached) for v in eqn.outvars)
+  return deepest
+
+
+def _pooling_step(eqn, plain_reductions: bool) -> int | None:
+  if eqn.primitive in WINDOW_REDUCTIONS:
+    return _windowed_dims(eqn)
+  if plain_reductions and eqn.primitive in PLAIN_REDUCTIONS and eqn.params["axes"]:
+    return len(eqn.params["axes"])
+  inner = [chained_pooled_dims(body.eqns, plain_reductions) for body in compat.sub_jaxprs(eqn)]
+  return max((dims for dims in inner if dims is not None), default=None)
 
 
 def pooling_variant(dims: int | None) -> str | None:
@@ -105,16 +148,15 @@ LOGIT_OPS = frozenset({"log_sigmoid"})
 LOGIT_PRIMITIVES = frozenset({compat.primitives.logistic_p})
 
 
-def _call_variant(span, span_marks) -> str | None:
-  """The variant of the call made of the eqns ``span``, for an op some row lists with one:
-  that of the pooling among its eqns, ``logits`` for a loss computed from logits, or ``dtype``
+def _call_variant(op: regions.OpRegion, span, span_marks) -> str | None:
+  """The variant of ``op``'s call made of the eqns ``span``, for an op some row lists with one:
+  that of the pooling its eqns make, ``logits`` for a loss computed from logits, or ``dtype``
   for a call given an explicit dtype; None for none of these."""
-  for eqn, eqn_marks in zip(span, span_marks, strict=True):
-    dims = pooled_dims(eqn)
-    if dims is not None:
-      return pooling_variant(dims)
-    if _takes_logits(eqn, eqn_marks):
-      return "logits"
+  dims = chained_pooled_dims(span, plain_reductions=op.name in POOLS_OF_PLAIN_REDUCTIONS)
+  if dims is not None:
+    return pooling_variant(dims)
+  if any(map(_takes_logits, span, span_marks)):
+    return "logits"
   return "dtype" if _sets_result_dtype(span) else None
 
 
@@ -191,7 +233,7 @@ def _op_call(eqns, marks, policies, start, op, policy, numbers) -> tuple[OpCall 
   stop, variant = None, None
   if op.name in policy.table.ops_with_variants:
     stop = _call_stop(eqns, marks, policies, start, op)
-    variant = _call_variant(eqns[start:stop], marks[start:stop])
+    variant = _call_variant(op, eqns[start:stop], marks[start:stop])
   category = op_category(op, policy, variant)
   if category is None:
     return None, start

@@ -211,7 +211,7 @@ def _as_category(category: Category | str | None) -> Category | None:
 _library_codes: dict[types.CodeType, tuple[str, ...]] = {}
 # Functions of libraries not imported yet: module -> [(attribute path, op name)], resolved once
 # the module is in sys.modules (so registering Haiku's layers does not import Haiku).
-_pending: dict[str, list[tuple[str, str]]] = {}
+_pending: dict[str, list[tuple[str, str, bool]]] = {}
 
 
 def code_of(fun: Callable) -> types.CodeType:
@@ -266,10 +266,10 @@ def resolve(module: str, path: str) -> Callable:
   return found
 
 
-def register_library_op_lazily(module: str, path: str, name: str) -> None:
+def register_library_op_lazily(module: str, path: str, name: str, optional: bool = False) -> None:
   """``register_library_op`` of ``module``'s ``path`` now if ``module`` is imported, or else at
-  the first trace after it is."""
-  _pending.setdefault(module, []).append((path, name))
+  the first trace after it is; an ``optional`` one only where that version of the module has it."""
+  _pending.setdefault(module, []).append((path, name, optional))
   _resolve_pending()
 
 
@@ -278,16 +278,17 @@ def _resolve_pending() -> None:
     spec = getattr(sys.modules[module], "__spec__", None)
     if getattr(spec, "_initializing", False):
       continue  # still being imported: wait for the next trace
-    for path, name in _pending.pop(module):
+    for path, name, optional in _pending.pop(module):
       try:
         register_library_op(resolve(module, path), name)
       except (AttributeError, TypeError) as error:
-        warnings.warn(
-          f"jaxamp cannot recognise {module}.{path} as op {name!r} ({error}); its "
-          "eqns follow per-primitive rules.",
-          RuntimeWarning,
-          stacklevel=2,
-        )
+        if not (optional and isinstance(error, AttributeError)):  # optional: a newer version's
+          warnings.warn(
+            f"jaxamp cannot recognise {module}.{path} as op {name!r} ({error}); its "
+            "eqns follow per-primitive rules.",
+            RuntimeWarning,
+            stacklevel=2,
+          )
 
 
 def _recognise_library_ops() -> None:
@@ -302,6 +303,8 @@ def _recognise_library_ops() -> None:
       pass
   for module, path, name in library_ops.LAZY_OPS:
     register_library_op_lazily(module, path, name)
+  for module, path, name in library_ops.LAZY_OPS_IF_PRESENT:
+    register_library_op_lazily(module, path, name, optional=True)
 
 
 class Marks(NamedTuple):

@@ -104,14 +104,13 @@ ROWS = (
     primitives=(prims.fft_p,),
   ),
   Row(
-    ("avg_pool3d", "adaptive_avg_pool3d"),
+    ("avg_pool3d",),
     F,
     primitives=(Variant(prims.reduce_window_sum_p, "3d"),),
     ops=("avg_pool[3d]", "window_sum[3d]"),
   ),
-  Row(
-    ("max_pool3d", "adaptive_max_pool3d"), F, primitives=(Variant(prims.reduce_window_max_p, "3d"),)
-  ),
+  Row(("max_pool3d",), F, primitives=(Variant(prims.reduce_window_max_p, "3d"),)),
+  Row(("adaptive_avg_pool3d", "adaptive_max_pool3d"), F, ops=("adaptive_pool[3d]",)),
   # --- float32: composites ---------------------------------------------------------------------
   Row(("trace",), F, ops=("trace",)),
   *shared.COMPLEX_IN_FLOAT32,
