@@ -1244,6 +1244,20 @@ def _operand_kind_cases() -> list[dict[str, Any]]:
   ]
 
 
+def _dimension_count_cases() -> list[dict[str, Any]]:
+  # Ops listed for some numbers of dimensions only: CPU's float32 list has reflection_pad1d and
+  # reflection_pad2d, not reflection_pad3d.
+  return [
+    case(
+      "reflection_pad3d",
+      "F.pad(x, (1, 1, 2, 1, 1, 2), mode='reflect')",
+      "unlisted",
+      "reflection_pad3d",
+      x=low("normal", 1, 2, 4, 4, 4),
+    ),
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
@@ -1258,6 +1272,7 @@ def all_cases() -> list[dict[str, Any]]:
     + _accumulation_cases()
     + _attention_cases()
     + _operand_kind_cases()
+    + _dimension_count_cases()
   )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}

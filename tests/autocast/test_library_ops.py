@@ -554,7 +554,8 @@ for size in (2, 3):
 
 
 def _pooled_under_cpu(pool, example_shape, batched):
-  """The dtype of ``pool`` of a bfloat16 product under "cpu", on one example or vmapped."""
+  """The dtype of ``pool`` (or a pad) of a bfloat16 product under "cpu", on one example or
+  vmapped."""
   w = x_of(example_shape[-1], example_shape[-1])
   one = lambda x: pool(x @ w)
   fun = jax.vmap(one) if batched else one
@@ -574,6 +575,17 @@ def test_a_2d_pool_is_bfloat16_on_cpu_whatever_the_batch_axes(name, batched):
 @pytest.mark.parametrize("name", sorted(POOLS_3D))
 def test_a_3d_pool_is_float32_on_cpu_whatever_the_batch_axes(name, batched):
   assert _pooled_under_cpu(POOLS_3D[name], (3, 4, 4, 4), batched) == F32
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one example", "vmapped"])
+@pytest.mark.parametrize("mode", ["reflect", "symmetric"])
+@pytest.mark.parametrize("dims, dtype", [(1, F32), (2, F32), (3, BF16)], ids=["1d", "2d", "3d"])
+def test_a_reflection_pad_is_float32_on_cpu_but_in_3d(dims, dtype, mode, batched):
+  """torch's CPU float32 list has reflection_pad1d and reflection_pad2d, not reflection_pad3d:
+  which one a jnp.pad is goes by how many axes it pads, not by its operand's rank."""
+  widths = ((0, 0),) + ((2, 1),) * dims + ((0, 0),) * (3 - dims)
+  pad = lambda h: jnp.pad(h, widths, mode=mode)
+  assert _pooled_under_cpu(pad, (3, 4, 4, 4), batched) == dtype
 
 
 @pytest.mark.parametrize("device_type, low", [("cuda", F16), ("cpu", F32)])

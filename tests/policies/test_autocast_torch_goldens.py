@@ -323,6 +323,9 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   "adaptive_max_pool3d": lambda x: _pool3d(x, "max"),
   "reflection_pad1d": lambda x: jnp.pad(x, ((0, 0), (0, 0), (2, 1)), mode="reflect"),
   "reflection_pad2d": lambda x: jnp.pad(x, ((0, 0), (0, 0), (2, 1), (1, 2)), mode="reflect"),
+  "reflection_pad3d": lambda x: jnp.pad(
+    x, ((0, 0), (0, 0), (1, 2), (2, 1), (1, 1)), mode="reflect"
+  ),
   "replication_pad1d": lambda x: jnp.pad(x, ((0, 0), (0, 0), (2, 1)), mode="edge"),
   "replication_pad2d": lambda x: jnp.pad(x, ((0, 0), (0, 0), (2, 1), (1, 2)), mode="edge"),
   "replication_pad3d": lambda x: jnp.pad(x, ((0, 0), (0, 0), (1, 0), (0, 1), (1, 1)), mode="edge"),

@@ -134,6 +134,19 @@ def _pooling_step(eqn, plain_reductions: bool) -> int | None:
   return max((dims for dims in inner if dims is not None), default=None)
 
 
+# Pads whose torch op (reflection_pad2d or reflection_pad3d) is named by how many dimensions they
+# pad: jnp.pad's reflect and symmetric modes concatenate along each padded axis.
+PADS = frozenset({"reflection_pad"})
+
+
+def padded_dims(eqns) -> int | None:
+  """How many axes the concatenates of ``eqns`` join along (each pads one); None for none."""
+  axes = {
+    eqn.params["dimension"] for eqn in eqns if eqn.primitive is compat.primitives.concatenate_p
+  }
+  return len(axes) or None
+
+
 def pooling_variant(dims: int | None) -> str | None:
   """The table key of a pooling over ``dims`` dimensions: ``"3d"`` (torch's ``avg_pool3d``,
   ``max_pool3d``), else None."""
@@ -150,8 +163,10 @@ LOGIT_PRIMITIVES = frozenset({compat.primitives.logistic_p})
 
 def _call_variant(op: regions.OpRegion, span, span_marks) -> str | None:
   """The variant of ``op``'s call made of the eqns ``span``, for an op some row lists with one:
-  that of the pooling its eqns make, ``logits`` for a loss computed from logits, or ``dtype``
-  for a call given an explicit dtype; None for none of these."""
+  that of the pooling or padding its eqns make, ``logits`` for a loss computed from logits, or
+  ``dtype`` for a call given an explicit dtype; None for none of these."""
+  if op.name in PADS:
+    return pooling_variant(padded_dims(span))
   dims = chained_pooled_dims(span, plain_reductions=op.name in POOLS_OF_PLAIN_REDUCTIONS)
   if dims is not None:
     return pooling_variant(dims)

@@ -117,6 +117,7 @@ ROWS = (
   Row(("quantile", "nanquantile"), F, ops=("quantile",)),
   Row(("cdist",), F, ops=("cdist",)),
   Row(("reflection_pad1d", "reflection_pad2d"), F, ops=("reflection_pad",)),
+  Row(("reflection_pad3d",), N, ops=("reflection_pad[3d]",)),  # on no list: its input's dtype
   Row(("replication_pad1d", "replication_pad2d", "replication_pad3d"), F, ops=("replication_pad",)),
   *named_op_rows(F, "mse_loss", "l1_loss"),
   Row(("huber_loss",), F, ops=("huber_loss", "smooth_l1_loss")),

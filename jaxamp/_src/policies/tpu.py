@@ -87,6 +87,7 @@ ROWS = (
   Row(("trace",), F, ops=("trace",)),
   Row(("cdist",), F, ops=("cdist",)),
   Row(("reflection_pad1d", "reflection_pad2d"), F, ops=("reflection_pad",)),
+  Row(("reflection_pad3d",), N, ops=("reflection_pad[3d]",)),  # on no list: its input's dtype
   Row(("replication_pad1d", "replication_pad2d", "replication_pad3d"), F, ops=("replication_pad",)),
   # softmax.int and _softmax; softmin is torch's softmax of -x.
   Row(("softmax", "_softmax"), F, ops=("softmax",)),
