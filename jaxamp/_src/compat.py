@@ -146,6 +146,13 @@ def name_scopes(eqn) -> tuple[str, ...]:
   return tuple(s.name for s in stack if isinstance(s, _source_info.Scope))
 
 
+def is_transposed(eqn) -> bool:
+  """Whether ``eqn`` was traced by a transposition: the backward pass of a ``jax.grad``,
+  ``jax.vjp`` or ``jax.linear_transpose`` taken inside the traced function."""
+  stack = getattr(eqn.source_info.name_stack, "stack", ())
+  return any(isinstance(s, _source_info.Transform) and s.name == "transpose" for s in stack)
+
+
 def traceback_frames(eqn) -> tuple[tuple[str, str, int], ...]:
   """(file, function, line) of the Python frames an eqn was traced from, innermost first."""
   traceback = eqn.source_info.traceback

@@ -158,50 +158,63 @@ def test_an_unlisted_op_without_a_default_is_a_plain_composition():
 
 BF16 = jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)
 SCALE = jax.ShapeDtypeStruct((8,), jnp.float32)
+F16 = jnp.dtype(jnp.float16)
+
+
+def _traced(*shape: int, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
+  """The aval a value leaving an op was traced with."""
+  return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def test_a_float32_result_leaves_in_its_main_inputs_dtype():
   exits = op_calls.OpExits()
   exits.note_entering("norm#0", [BF16, SCALE], stateful=False)
-  assert exits.exit_dtype("norm#0", (4, 8), jnp.float32) == jnp.bfloat16
+  assert exits.exit_dtype("norm#0", _traced(4, 8), jnp.float32) == jnp.bfloat16
 
 
 def test_the_main_input_is_the_largest_floating_one():
   exits = op_calls.OpExits()
   exits.note_entering("norm#0", [SCALE, BF16], stateful=False)
-  assert exits.exit_dtype("norm#0", (8,), jnp.float32) == jnp.bfloat16
+  assert exits.exit_dtype("norm#0", _traced(8), jnp.float32) == jnp.bfloat16
 
 
 def test_integer_inputs_are_never_the_main_input():
   exits = op_calls.OpExits()
   exits.note_entering("loss#0", [jax.ShapeDtypeStruct((64,), jnp.int32), BF16], stateful=False)
-  assert exits.exit_dtype("loss#0", (4, 8), jnp.float32) == jnp.bfloat16
+  assert exits.exit_dtype("loss#0", _traced(4, 8), jnp.float32) == jnp.bfloat16
 
 
 def test_a_result_not_in_float32_leaves_as_it_is():
   exits = op_calls.OpExits()
   exits.note_entering("norm#0", [BF16], stateful=False)
-  assert exits.exit_dtype("norm#0", (4, 8), jnp.float16) is None
+  assert exits.exit_dtype("norm#0", _traced(4, 8), jnp.float16) is None
 
 
 def test_a_call_with_no_floating_input_leaves_its_results_as_they_are():
   exits = op_calls.OpExits()
   exits.note_entering("argmax#0", [jax.ShapeDtypeStruct((4,), jnp.int32)], stateful=False)
-  assert exits.exit_dtype("argmax#0", (4,), jnp.float32) is None
+  assert exits.exit_dtype("argmax#0", _traced(4), jnp.float32) is None
 
 
 def test_a_stateful_ops_outputs_shaped_like_its_state_stay_float32():
   exits = op_calls.OpExits()
   exits.note_entering("batch_norm#0", [BF16, SCALE], stateful=True)
-  assert exits.exit_dtype("batch_norm#0", (8,), jnp.float32) is None
-  assert exits.exit_dtype("batch_norm#0", (4, 8), jnp.float32) == jnp.bfloat16
+  assert exits.exit_dtype("batch_norm#0", _traced(8), jnp.float32) is None
+  assert exits.exit_dtype("batch_norm#0", _traced(4, 8), jnp.float32) == jnp.bfloat16
+
+
+def test_a_stateful_ops_state_leaves_in_its_traced_16_bit_dtype():
+  # A float16 layer's running statistics: computed in float32 inside, traced as float16.
+  exits = op_calls.OpExits()
+  exits.note_entering("batch_norm#0", [BF16, SCALE], stateful=True)
+  assert exits.exit_dtype("batch_norm#0", _traced(8, dtype=jnp.float16), jnp.float32) == F16
 
 
 def test_inputs_noted_in_several_steps_add_up():
   exits = op_calls.OpExits()
   exits.note_entering("norm#0", [SCALE], stateful=False)
   exits.note_entering("norm#0", [BF16], stateful=False)
-  assert exits.exit_dtype("norm#0", (4, 8), jnp.float32) == jnp.bfloat16
+  assert exits.exit_dtype("norm#0", _traced(4, 8), jnp.float32) == jnp.bfloat16
 
 
 # --- recomputed runs and their segments -----------------------------------------------------------

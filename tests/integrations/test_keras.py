@@ -304,6 +304,49 @@ def test_a_layer_after_a_conv_has_torchs_dtype(name, device_type, low):
   )
 
 
+# --- layers of a 16-bit dtype ---------------------------------------------------------------------
+
+SIXTEEN_BIT_NORMS = {
+  "LayerNormalization": lambda dtype: layers.LayerNormalization(dtype=dtype),
+  "GroupNormalization": lambda dtype: layers.GroupNormalization(2, dtype=dtype),
+  "BatchNormalization": lambda dtype: layers.BatchNormalization(dtype=dtype),
+}  # (Keras's RMSNormalization returns float32 for a float32 input, whatever its dtype)
+
+
+@policies
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(SIXTEEN_BIT_NORMS))
+def test_a_16_bit_norm_layer_returns_its_own_dtype_for_a_float32_input(
+  name, dtype, device_type, low
+):
+  # Keras computes the norm in float32 and converts the result to the layer's dtype: an explicit
+  # cast, as torch's F.layer_norm(x, ...).half() (float16 under autocast too).
+  layer = SIXTEEN_BIT_NORMS[name](dtype)
+  layer.build(X.shape)
+  trainable, non_trainable = _variables(layer)
+  call = lambda t, n, x: layer.stateless_call(t, n, x)[0]
+  out = jaxamp.autocast(call, device_type=device_type)(trainable, non_trainable, X)
+  assert out.dtype == jnp.dtype(dtype) == call(trainable, non_trainable, X).dtype
+
+
+@policies
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_16_bit_batch_norm_keeps_its_16_bit_moving_statistics(dtype, device_type, low):
+  # torch: BatchNorm1d(8).half() keeps float16 running stats under autocast (batch_norm is on no
+  # list); a float32 layer's stay float32 (test_model_fit_trains_with_compute_loss_and_updates).
+  layer = layers.BatchNormalization(dtype=dtype)
+  layer.build(X.shape)
+  trainable, non_trainable = _variables(layer)
+  call = lambda t, n, x: layer.stateless_call(t, n, x, training=True)
+  x = X.astype(dtype)
+  out, stats = jaxamp.autocast(call, device_type=device_type)(trainable, non_trainable, x)
+  want_out, want_stats = call(trainable, non_trainable, x)
+  assert [v.dtype for v in stats] == [v.dtype for v in want_stats] == [jnp.dtype(dtype)] * 2
+  assert out.dtype == want_out.dtype
+  for got, want in zip(stats, want_stats, strict=True):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2)
+
+
 # --- model.fit and recurrent layers ---------------------------------------------------------------
 
 

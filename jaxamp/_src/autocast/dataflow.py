@@ -512,6 +512,31 @@ def _selected_inputs(eqn, selected: set) -> set:
   return {atom for atom, only in reads if only} - {atom for atom, only in reads if not only}
 
 
+def gradient_exits(jaxpr) -> dict[int, tuple]:
+  """The gradients a backward pass traced inside the jaxpr hands on, by the index of the eqn
+  computing them: the floating results of a transposed eqn (``compat.is_transposed``) that an
+  eqn outside the backward pass reads, or the jaxpr returns."""
+  transposed = [compat.is_transposed(eqn) for eqn in jaxpr.eqns]
+  if not any(transposed):
+    return {}
+  producer = {
+    var: index for index, eqn in enumerate(jaxpr.eqns) if transposed[index] for var in eqn.outvars
+  }
+  read_outside = {
+    atom
+    for eqn, backward in zip(jaxpr.eqns, transposed, strict=True)
+    if not backward
+    for atom in eqn.invars
+    if not compat.is_literal(atom)
+  }
+  read_outside.update(v for v in jaxpr.outvars if not compat.is_literal(v))
+  exits: dict[int, tuple] = {}
+  for var in read_outside:
+    if var in producer and jnp.issubdtype(var.aval.dtype, jnp.inexact):
+      exits[producer[var]] = (*exits.get(producer[var], ()), var)
+  return exits
+
+
 def _per_jaxpr(name: str, compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
   """``compute`` of a jaxpr, computed once per jaxpr object while it lives (a part of one,
   which cannot be referenced weakly, every time)."""
@@ -529,7 +554,9 @@ def _per_jaxpr(name: str, compute: Callable[[Any], Any]) -> Callable[[Any], Any]
   return once
 
 
-# ``mask_outputs``, ``activation_reads`` and ``selected_reads`` of a jaxpr, once per jaxpr object.
+# ``mask_outputs``, ``activation_reads``, ``selected_reads`` and ``gradient_exits`` of a jaxpr, once
+# per jaxpr object.
 body_mask_outputs = _per_jaxpr("dataflow.body_masks", mask_outputs)
 body_activations = _per_jaxpr("dataflow.body_reads", activation_reads)
 body_selected = _per_jaxpr("dataflow.body_selected", selected_reads)
+body_gradient_exits = _per_jaxpr("dataflow.gradient_exits", gradient_exits)

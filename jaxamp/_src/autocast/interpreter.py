@@ -78,6 +78,7 @@ def evaluate(
     policies = [d.policy if d is not None and d.policy else ctx.policy for d in decided]
   calls = op_calls.op_calls(jaxpr.eqns, marks, inside, ctx.policy, env.op_numbers, policies)
   runs = {} if not env.checkpoint_ops or inside is not None else op_calls.recomputed_runs(calls)
+  gradients = dataflow.body_gradient_exits(jaxpr)
   index = 0
   while index < len(jaxpr.eqns):
     segment = None
@@ -98,6 +99,9 @@ def evaluate(
         override, eqn_ctx = decided[index], ctx._replace(policy=policies[index])
       with compat.eqn_context(jaxpr.eqns[index]):
         _eval_one(jaxpr.eqns[index], marks[index], calls[index], env, eqn_ctx, override)
+    for done in range(index, stop):
+      for var in gradients.get(done, ()):
+        env.values[var] = _gradient(env, var)
     for dead in range(index, stop):
       for var in last_use.get(dead, ()):
         env.values.pop(var, None)  # dead: let eager evaluation free it, as eval_jaxpr does
@@ -109,6 +113,13 @@ def evaluate(
 
 
 _KEPT = regions.Marks(True, ())
+
+
+def _gradient(env: Env, var) -> Any:
+  """A gradient leaving the backward pass that computed it, in its traced dtype: the dtype of
+  what it is the gradient of, as torch's autograd casts a gradient back through autocast's
+  casts (a float32 input's gradient is float32, its matmul's bfloat16)."""
+  return env.cast(var, var.aval.dtype)
 
 
 def _recomputing(eqn, marks: regions.Marks, ctx: Context) -> regions.Marks:
@@ -199,7 +210,7 @@ def _leave_ops(env: Env, atoms, instance: str | None) -> None:
     region = env.region.get(atom)
     if region is None or region == instance:
       continue
-    dtype = env.exits.exit_dtype(region, atom.aval.shape, env.dtype(atom))
+    dtype = env.exits.exit_dtype(region, atom.aval, env.dtype(atom))
     if dtype is not None:
       env.values[atom] = env.cast(atom, dtype)
       env.region[atom] = None

@@ -21,7 +21,7 @@ from jaxamp._src.policies.policy import Policy
 from jaxamp._src.policies.table import Category
 
 # Ops whose outputs include state shaped like a non-main input (BatchNorm's running statistics):
-# those outputs keep float32 when they leave the op.
+# those outputs keep their traced dtype (float32, or a 16-bit layer's own) when they leave the op.
 STATEFUL_OPS = frozenset({"batch_norm"})
 
 # These FLOAT32_INSIDE ops run under ``jax.checkpoint`` when a 16-bit tensor enters them: torch's
@@ -176,24 +176,33 @@ def _call_variant(op: regions.OpRegion, span, span_marks) -> str | None:
 
 
 def _sets_result_dtype(eqns) -> bool:
-  """Whether the call made of ``eqns`` returns a floating dtype none of its floating inputs has
-  (an integer or boolean input's sum has none): JAX's reductions and scans given ``dtype=``
-  convert to it on entry and never back, while without one they return their input's dtype
-  (computing a 16-bit input in float32 inside)."""
+  """Whether the call made of ``eqns`` chose its result's dtype: it returns a floating dtype
+  none of its floating inputs has (an integer or boolean input's sum has none), or ends by
+  converting to a dtype its main input (the largest) does not have. JAX's reductions and scans
+  given ``dtype=`` convert to it on entry and never back; Keras's layers of a 16-bit ``dtype=``
+  convert their float32 result to it. Without one they return their input's dtype (computing a
+  16-bit input in float32 inside)."""
   produced: set = set()
-  entering = set()
+  entering = []
   for eqn in eqns:
-    entering.update(
-      _floating_dtype(v) for v in eqn.invars if not compat.is_literal(v) and v not in produced
-    )
+    entering += [v.aval for v in eqn.invars if not compat.is_literal(v) and v not in produced]
     produced.update(eqn.outvars)
-  entering.discard(None)
-  results = {_floating_dtype(v) for v in eqns[-1].outvars} - {None}
-  return bool(results) and results.isdisjoint(entering)
+  entering_dtypes = {_floating_dtype(aval) for aval in entering} - {None}
+  results = {_floating_dtype(v.aval) for v in eqns[-1].outvars} - {None}
+  if results and results.isdisjoint(entering_dtypes):
+    return True
+  last = eqns[-1]
+  floating = [aval for aval in entering if _floating_dtype(aval) is not None]
+  return (
+    last.primitive is compat.primitives.convert_element_type_p
+    and _floating_dtype(last.outvars[0].aval) is not None
+    and bool(floating)
+    and max(floating, key=lambda aval: aval.size).dtype != last.params["new_dtype"]
+  )
 
 
-def _floating_dtype(value) -> np.dtype | None:
-  dtype = getattr(value.aval, "dtype", None)
+def _floating_dtype(aval) -> np.dtype | None:
+  dtype = getattr(aval, "dtype", None)
   return dtype if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else None
 
 
@@ -328,8 +337,9 @@ class OpExits:
 
   torch's kernels return the dtype of their main input; values leaving in another dtype were
   chosen explicitly (``dtype=``) and keep it. A stateful op's (``STATEFUL_OPS``) outputs shaped
-  like another of its inputs are its state, not its result, and stay float32: BatchNorm's
-  running mean and variance, shaped like its scale.
+  like another of its inputs are its state, not its result, and leave in the dtype they were
+  traced in: BatchNorm's running mean and variance, shaped like its scale (float32, or a 16-bit
+  layer's own dtype).
   """
 
   def __init__(self):
@@ -354,9 +364,10 @@ class OpExits:
     if main is not None:
       self._exits[instance] = (main, shapes - {main.shape})
 
-  def exit_dtype(self, instance: str, shape: tuple, dtype) -> Any | None:
-    """The dtype a value of ``shape`` and ``dtype`` computed in ``instance`` leaves it in; None
-    when it leaves as it is."""
+  def exit_dtype(self, instance: str, aval, dtype) -> Any | None:
+    """The dtype a value traced as ``aval`` and computed in ``dtype`` in ``instance`` leaves it
+    in; None when it leaves as it is. State leaves in its traced dtype (a float16 layer's
+    float16 running statistics)."""
     if dtype != jnp.float32:
       return None
     if instance in self._low:
@@ -364,9 +375,9 @@ class OpExits:
     if instance not in self._exits:
       return None
     main, state_shapes = self._exits[instance]
-    if shape == main.shape or shape not in state_shapes:
+    if aval.shape == main.shape or aval.shape not in state_shapes:
       return main.dtype
-    return None
+    return aval.dtype if casting.is_eligible(aval.dtype) and aval.dtype != dtype else None
 
 
 class Segment(NamedTuple):
