@@ -89,21 +89,10 @@ PLAIN_REDUCTIONS = frozenset(
 POOLS_OF_PLAIN_REDUCTIONS = frozenset({"adaptive_pool"})
 
 
-def pooled_dims(eqn) -> int | None:
-  """How many dimensions the first window reduction in ``eqn`` (or its bodies) pools over: those
-  with a window or a stride above 1. Not the rank, which a batch dimension (``vmap``, Equinox's
-  unbatched layers' added axis) changes; None without a window reduction."""
-  if eqn.primitive in WINDOW_REDUCTIONS:
-    return _windowed_dims(eqn)
-  for body in compat.sub_jaxprs(eqn):
-    for inner in body.eqns:
-      dims = pooled_dims(inner)
-      if dims is not None:
-        return dims
-  return None
-
-
-def _windowed_dims(eqn) -> int:
+def windowed_dims(eqn) -> int:
+  """How many dimensions the window reduction ``eqn`` pools over: those with a window or a
+  stride above 1. Not the rank, which a batch dimension (``vmap``, Equinox's unbatched layers'
+  added axis) changes."""
   sizes = zip(eqn.params["window_dimensions"], eqn.params["window_strides"], strict=True)
   return sum(window > 1 or stride > 1 for window, stride in sizes)
 
@@ -127,7 +116,7 @@ def chained_pooled_dims(eqns, plain_reductions: bool = False) -> int | None:
 
 def _pooling_step(eqn, plain_reductions: bool) -> int | None:
   if eqn.primitive in WINDOW_REDUCTIONS:
-    return _windowed_dims(eqn)
+    return windowed_dims(eqn)
   if plain_reductions and eqn.primitive in PLAIN_REDUCTIONS and eqn.params["axes"]:
     return len(eqn.params["axes"])
   inner = [chained_pooled_dims(body.eqns, plain_reductions) for body in compat.sub_jaxprs(eqn)]
@@ -187,12 +176,11 @@ def _sets_result_dtype(eqns) -> bool:
   for eqn in eqns:
     entering += [v.aval for v in eqn.invars if not compat.is_literal(v) and v not in produced]
     produced.update(eqn.outvars)
-  entering_dtypes = {_floating_dtype(aval) for aval in entering} - {None}
+  floating = [aval for aval in entering if _floating_dtype(aval) is not None]
   results = {_floating_dtype(v.aval) for v in eqns[-1].outvars} - {None}
-  if results and results.isdisjoint(entering_dtypes):
+  if results and results.isdisjoint(aval.dtype for aval in floating):
     return True
   last = eqns[-1]
-  floating = [aval for aval in entering if _floating_dtype(aval) is not None]
   return (
     last.primitive is compat.primitives.convert_element_type_p
     and _floating_dtype(last.outvars[0].aval) is not None

@@ -264,7 +264,7 @@ def _variant(eqn) -> str | None:
   ):
     return "vector"  # vector . vector: torch's dot / vdot, not mm
   if primitive in op_calls.WINDOW_REDUCTIONS:
-    return op_calls.pooling_variant(op_calls.pooled_dims(eqn))  # avg_pool3d, max_pool3d
+    return op_calls.pooling_variant(op_calls.windowed_dims(eqn))  # avg_pool3d, max_pool3d
   return None
 
 
