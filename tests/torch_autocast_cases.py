@@ -1258,6 +1258,23 @@ def _dimension_count_cases() -> list[dict[str, Any]]:
   ]
 
 
+def _elementwise_function_cases() -> list[dict[str, Any]]:
+  # Elementwise functions torch computes in one kernel each, on no list: its input's dtype.
+  pos, prob = low("positive", 4, 8), low("uniform", 4, 8)
+  return [
+    case("logaddexp", "torch.logaddexp(x, y)", "unlisted", "logaddexp", x=LA, y=LB),
+    case("logaddexp2", "torch.logaddexp2(x, y)", "unlisted", "logaddexp2", x=LA, y=LB),
+    case("xlogy", "torch.xlogy(x, y)", "unlisted", "xlogy", x=LA, y=pos),
+    case("xlog1py", "torch.special.xlog1py(x, y)", "unlisted", "special_xlog1py", x=LA, y=pos),
+    case("entr", "torch.special.entr(x)", "unlisted", "special_entr", x=pos),
+    case("logit", "torch.logit(x)", "unlisted", "logit", x=prob),
+    case("hypot", "torch.hypot(x, y)", "unlisted", "hypot", x=LA, y=LB),
+    case("i0", "torch.i0(x)", "unlisted", "i0", x=LA),
+    case("i1", "torch.special.i1(x)", "unlisted", "special_i1", x=LA),
+    case("nansum", "torch.nansum(x, dim=1)", "unlisted", "nansum", x=LA),
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
@@ -1273,6 +1290,7 @@ def all_cases() -> list[dict[str, Any]]:
     + _attention_cases()
     + _operand_kind_cases()
     + _dimension_count_cases()
+    + _elementwise_function_cases()
   )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}

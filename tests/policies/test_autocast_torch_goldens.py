@@ -410,6 +410,16 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   "mm_sum_over_float_lengths": lambda a, b, n: (a @ b).sum(1) / n.astype(jnp.float32),
   "einsum_without_a_summed_index": lambda a, b, v: jnp.einsum("ij,j->ij", a @ b, v),
   "cat_slice_of_zeros_like": lambda a, b: jnp.concatenate([jnp.zeros_like(a @ b)[:1], (a @ b)[1:]]),
+  "logaddexp": jnp.logaddexp,
+  "logaddexp2": jnp.logaddexp2,
+  "xlogy": jax.scipy.special.xlogy,
+  "xlog1py": jax.scipy.special.xlog1py,
+  "entr": jax.scipy.special.entr,
+  "logit": jax.scipy.special.logit,
+  "hypot": jnp.hypot,
+  "i0": jnp.i0,
+  "i1": jax.scipy.special.i1,
+  "nansum": lambda x: jnp.nansum(x, axis=1),
 }
 
 # The same cases through library functions autocast recognises (optax, jax.nn, flax).

@@ -13,6 +13,7 @@ the first trace after they are imported, so registering their layers imports non
 """
 
 _LAX_NUMPY = "jax._src.numpy.lax_numpy"  # the pad modes jnp.pad dispatches to are private
+_LAX_OTHER = "jax._src.lax.other"  # jnp.logaddexp is a ufunc object calling these functions
 
 # jax.random's samplers taking a ``dtype`` (the gamma family excepted: ``rules``).
 RANDOM_SAMPLERS = (
@@ -62,6 +63,18 @@ EAGER_OPS = (
   ("jax.numpy", "tensordot", "tensordot"),
   ("jax.numpy", "cross", "cross"),
   ("jax.numpy", "trace", "trace"),
+  ("jax.numpy", "logspace", "logspace"),
+  # elementwise functions torch computes in one kernel each
+  (_LAX_OTHER, "logaddexp", "logaddexp"),
+  (_LAX_OTHER, "logaddexp2", "logaddexp2"),
+  ("jax.numpy", "hypot", "hypot"),
+  ("jax.numpy", "i0", "i0"),
+  ("jax.scipy.special", "i0", "i0"),
+  ("jax.scipy.special", "i1", "special_i1"),
+  ("jax.scipy.special", "xlogy", "xlogy"),
+  ("jax.scipy.special", "xlog1py", "special_xlog1py"),
+  ("jax.scipy.special", "entr", "special_entr"),
+  ("jax.scipy.special", "logit", "logit"),
   (_LAX_NUMPY, "_pad_symmetric_or_reflect", "reflection_pad"),
   (_LAX_NUMPY, "_pad_edge", "replication_pad"),
   ("jax.numpy.linalg", "norm", "norm"),
@@ -75,6 +88,7 @@ EAGER_OPS = (
   ("jax.numpy", "prod", "prod"),
   ("jax.numpy", "mean", "mean"),
   ("jax.numpy", "nanmean", "mean"),
+  ("jax.numpy", "nansum", "nansum"),  # its own kernel in torch: not sum
   ("jax.numpy", "var", "var"),
   ("jax.numpy", "nanvar", "var"),
   ("jax.numpy", "std", "std"),

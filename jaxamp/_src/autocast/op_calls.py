@@ -25,13 +25,16 @@ from jaxamp._src.policies.table import Category
 STATEFUL_OPS = frozenset({"batch_norm"})
 
 # These FLOAT32_INSIDE ops run under ``jax.checkpoint`` when a 16-bit tensor enters them: torch's
-# softmax kernels save a 16-bit tensor (their output) for the backward, and its activation
-# kernels their 16-bit input, while differentiating the float32 computation would keep its
-# float32 ``exp`` or ``tanh``, twice the bytes. Recomputing the elementwise inside costs little.
+# softmax kernels save a 16-bit tensor (their output) for the backward, and its activation and
+# elementwise function kernels their 16-bit inputs, while differentiating the float32
+# computation would keep its float32 ``exp`` or ``tanh``, twice the bytes. Recomputing the
+# elementwise inside costs little.
 # Norms are not recomputed: their backward would recompute ``x - mean`` over the whole
 # activation, which cost more step time on XLA:CPU (+8-17% on the benchmark conv net) than the
 # float32 copies it saves are worth.
-RECOMPUTED_OPS = frozenset({"softmax", "log_softmax", "softmin", *shared.ACTIVATION_OPS})
+RECOMPUTED_OPS = frozenset(
+  {"softmax", "log_softmax", "softmin", *shared.ACTIVATION_OPS, *shared.ELEMENTWISE_FUNCTION_OPS}
+)
 
 # LOWER ops whose torch kernels take 16-bit inputs but compute in float32 inside: SDPA's flash
 # kernels (CUDA and CPU) multiply 16-bit operands with float32 accumulation, take the softmax of

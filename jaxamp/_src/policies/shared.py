@@ -62,6 +62,8 @@ WINDOW_SUM = "window sum (avg_pool's kernel)"
 # Unlisted on CUDA and XPU, their kernels accumulate in float32 and return the input's dtype.
 ACCUMULATING_KERNELS = (
   Row(("mean",), Category.FLOAT32_INSIDE, ops=("mean",)),
+  # nansum is a reduction kernel of its own, not sum's (on the CUDA float32 list): unlisted.
+  Row(("nansum",), Category.FLOAT32_INSIDE, ops=("nansum",)),
   Row(("var", "std"), Category.FLOAT32_INSIDE, ops=("var", "std")),
   Row(("batch_norm",), Category.FLOAT32_INSIDE, ops=("batch_norm",)),
   Row(("avg_pool1d", "avg_pool2d", "avg_pool3d"), Category.FLOAT32_INSIDE, ops=("avg_pool",)),
@@ -133,6 +135,9 @@ RANDOM_DRAWS = (
     Category.NATIVE,
     ops=("random_draw",),
   ),
+  # jnp.logspace(..., dtype=jnp.bfloat16) computes its power in the dtype it was given, as
+  # torch's logspace factory does; the CUDA list's float32 pow widened it.
+  Row(("logspace",), Category.NATIVE, ops=("logspace",)),
 )
 
 # Ops called with an explicit ``dtype=`` are not eligible (torch's op reference): they compute in
@@ -142,7 +147,7 @@ RANDOM_DRAWS = (
 # (``nn.LayerNorm(dtype=jnp.bfloat16)`` of a float32 input returns bfloat16). A request equal to
 # the traced input's dtype leaves no trace to find.
 EXPLICIT_DTYPE_OPS = (
-  *("sum", "prod", "mean", "var", "std", "cumsum", "cumprod"),
+  *("sum", "nansum", "prod", "mean", "var", "std", "cumsum", "cumprod"),
   *("layer_norm", "group_norm", "rms_norm", "batch_norm", "instance_norm"),
 )
 EXPLICIT_DTYPE = (
@@ -167,11 +172,25 @@ ELEMENTWISE_PRODUCT = (
 # it) and round at every step. Their calls keep only the 16-bit input for the backward
 # (``op_calls.RECOMPUTED_OPS``), as torch's kernels do.
 ACTIVATION_OPS = ("gelu", "silu", "elu", "celu", "selu", "log_sigmoid", "mish", "glu")
+# Elementwise functions torch computes in one kernel each, listed nowhere either: they too return
+# their input's dtype, computing in float32 inside. JAX builds them from exp, log, log1p and pow,
+# which the CUDA and XPU lists send to float32, so run primitive by primitive they returned
+# float32 (and in 16 bits they would round at every step).
+ELEMENTWISE_FUNCTION_OPS = (
+  *("logaddexp", "logaddexp2", "xlogy", "special_xlog1py", "special_entr", "logit", "hypot"),
+  *("i0", "special_i1"),
+)
 ACTIVATIONS_IN_OPMATH = (
   Row(
     ("gelu", "silu", "elu", "celu", "selu", "logsigmoid", "mish", "glu"),
     Category.FLOAT32_INSIDE,
     ops=ACTIVATION_OPS,
+  ),
+  Row(
+    ("logaddexp", "logaddexp2", "xlogy", "special_xlog1py", "special_entr", "logit", "hypot")
+    + ("i0", "special_i1"),
+    Category.FLOAT32_INSIDE,
+    ops=ELEMENTWISE_FUNCTION_OPS,
   ),
 )
 
