@@ -1,7 +1,7 @@
 """Hugging Face's Flax BERT (transformers 4.x, the `thirdparty` extra) under autocast: the
 attention probabilities it returns go through ``einsum("...hqk,h->...hqk", probs, head_mask)``,
-a product that sums over no index, which torch's einsum computes with ``mul`` (unlisted): they
-stay float32, as torch's BERT returns them under autocast."""
+a product that sums over no index. On CPU torch's einsum is unlisted and computes it with
+``mul``: they stay float32. The CUDA list has einsum itself: float16."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def bert():
   return transformers.FlaxBertModel(CONFIG, seed=0)
 
 
-@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
-def test_the_attentions_bert_returns_are_float32_and_close(bert, device_type):
+@pytest.mark.parametrize(
+  "device_type, dtype", [("cpu", jnp.float32), ("cuda", jnp.float16)], ids=["cpu", "cuda"]
+)
+def test_the_attentions_bert_returns_are_torchs_einsums_dtype_and_close(bert, device_type, dtype):
   def attentions(params, tokens, mask):
     # the model's __call__ passes a head mask of ones (None: all heads) to its module
     return bert(tokens, mask, params=params, output_attentions=True).attentions
@@ -40,8 +42,8 @@ def test_the_attentions_bert_returns_are_float32_and_close(bert, device_type):
   got = jaxamp.autocast(attentions, device_type=device_type)(bert.params, TOKENS, MASK)
   expected = attentions(bert.params, TOKENS, MASK)
   for layer, reference in zip(got, expected, strict=True):
-    assert layer.dtype == jnp.float32
-    np.testing.assert_allclose(layer, reference, atol=2e-2)
+    assert layer.dtype == dtype
+    np.testing.assert_allclose(np.asarray(layer, np.float32), reference, atol=2e-2)
 
 
 def test_a_head_mask_product_keeps_the_widest_dtype():

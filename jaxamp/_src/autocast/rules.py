@@ -243,9 +243,8 @@ def primitive_category(eqn, policy: Policy) -> Category:
 # jnp functions whose product of two vectors is torch's einsum or linalg_vecdot (lower
 # precision), not its dot: their frames are in the product's traceback. ``jnp.dot``, ``vdot``,
 # ``matmul`` and ``inner`` are inlined jits that leave none, so their vector products are dots.
-VECTOR_MATMUL_CODES = frozenset(
-  inspect.unwrap(function).__code__ for function in (jnp.einsum, jnp.linalg.vecdot)
-)
+EINSUM_CODES = frozenset({inspect.unwrap(jnp.einsum).__code__})
+VECTOR_MATMUL_CODES = EINSUM_CODES | {inspect.unwrap(jnp.linalg.vecdot).__code__}
 
 
 def _variant(eqn) -> str | None:
@@ -255,8 +254,12 @@ def _variant(eqn) -> str | None:
     numerator = eqn.invars[0]
     if not numerator.aval.shape and (compat.is_literal(numerator) or numerator.aval.weak_type):
       return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
-  if primitive is prims.dot_general_p and not eqn.params["dimension_numbers"][0][0]:
-    return "elementwise"  # sums over no index: torch's einsum multiplies (mul), not bmm
+  if (
+    primitive is prims.dot_general_p
+    and not eqn.params["dimension_numbers"][0][0]
+    and compat.traced_inside(eqn, EINSUM_CODES)
+  ):
+    return "elementwise"  # an einsum summing over no index: torch's composite einsum's mul
   if (
     primitive is prims.dot_general_p
     and all(atom.aval.ndim == 1 for atom in eqn.invars)

@@ -32,6 +32,7 @@ ROWS = (
       "baddbmm",
       "bmm",
       "chain_matmul",
+      "einsum",  # on torch's source list (not the reference doc), whatever it sums over
       "multi_dot",
       "linear",
       "matmul",
@@ -136,7 +137,6 @@ ROWS = (
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
   *shared.ACTIVATIONS_IN_OPMATH,
-  *shared.ELEMENTWISE_PRODUCT,
   *shared.ROUND_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
   # --- raises, as in torch: use binary_cross_entropy_with_logits ------------------------------

@@ -158,9 +158,11 @@ EXPLICIT_DTYPE = (
   ),
 )
 
-# A dot_general that sums over no index (``einsum("...hqk,h->...hqk")``, HF Flax BERT's head mask;
-# RoFormer's rotary ``einsum("bslh,...sh->bslh")``) is a product: torch's einsum computes it with
-# ``mul``, unlisted, not with ``bmm``, so it runs in its inputs' dtypes, the widest winning.
+# An einsum that sums over no index (``einsum("...hqk,h->...hqk")``, HF Flax BERT's head mask;
+# RoFormer's rotary ``einsum("bslh,...sh->bslh")``) is a product: where einsum is on no list
+# (CPU), torch's composite einsum computes it with ``mul``, unlisted, not with ``bmm``, so it
+# runs in its inputs' dtypes, the widest winning. The CUDA, XPU and XLA lists have einsum itself
+# (lower precision), whatever it sums.
 ELEMENTWISE_PRODUCT = (
   Row(("mul",), Category.NATIVE, primitives=(Variant(prims.dot_general_p, "elementwise"),)),
 )

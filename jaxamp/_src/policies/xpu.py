@@ -26,6 +26,7 @@ ROWS = (
       "baddbmm",
       "bmm",
       "chain_matmul",
+      "einsum",  # on torch's source list (not the reference doc), whatever it sums over
       "multi_dot",
       "linear",
       "matmul",
@@ -94,7 +95,6 @@ ROWS = (
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
   *shared.ACTIVATIONS_IN_OPMATH,
-  *shared.ELEMENTWISE_PRODUCT,
   *shared.ROUND_IN_FLOAT32,
   Row(("instance_norm",), Category.FLOAT32_INSIDE, ops=("instance_norm",)),  # batch_norm's kernel
   # --- unlisted single kernels in torch: they run in their inputs' dtype -------------------
