@@ -211,14 +211,19 @@ ROWS = (
   ),
   # A 1-D by 1-D dot_general is torch's dot / vdot; bilinear runs its own (_trilinear) kernel.
   Row(("dot", "vdot"), N, primitives=(Variant(prims.dot_general_p, "vector"),)),
+  # An einsum that sums over no index (``einsum("...hqk,h->...hqk")``, HF Flax BERT's head
+  # mask; RoFormer's rotary ``einsum("bslh,...sh->bslh")``) is a product: einsum is on no CPU
+  # list, and torch's composite einsum computes it with ``mul``, unlisted, not with ``bmm``, so
+  # it runs in its inputs' dtypes, the widest winning. (The CUDA, XPU and XLA lists have einsum
+  # itself, lower precision whatever it sums.)
+  Row(("mul",), N, primitives=(Variant(prims.dot_general_p, "elementwise"),)),
   Row(("bilinear",), N, ops=("bilinear",)),
   *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
   *shared.DATA_MOVEMENT,
-  *shared.RANDOM_DRAWS,
+  *shared.FACTORIES,
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
   *shared.ACTIVATIONS_IN_OPMATH,
-  *shared.ELEMENTWISE_PRODUCT,
   *shared.ROUND_IN_FLOAT32,
   # --- promote to the widest input type -------------------------------------------------------
   Row(("cat", "stack"), P, primitives=(prims.concatenate_p,)),

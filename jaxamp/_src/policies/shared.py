@@ -1,7 +1,7 @@
 """Rows the device tables share, where JAX rather than torch decides."""
 
 from jaxamp._src import compat
-from jaxamp._src.policies.table import NO_16_BIT_KERNELS, Category, LazyPrimitive, Row, Variant
+from jaxamp._src.policies.table import NO_16_BIT_KERNELS, Category, LazyPrimitive, Row
 
 prims = compat.primitives
 
@@ -125,11 +125,11 @@ SPECIAL_FUNCTIONS_IN_FLOAT32 = (
 # torch's kernel and jnp.round's own float16 path compute in float32.
 ROUND_IN_FLOAT32 = (Row(("round",), Category.FLOAT32_INSIDE, ops=("round",)),)
 
-# Random draws: torch's samplers (randn, normal_, uniform_, ...) are factories autocast leaves
-# alone. A draw made in a 16-bit dtype (``jax.random.normal(key, shape, jnp.bfloat16)``) samples
+# Factories autocast leaves alone. Random draws: torch's samplers (randn, normal_, uniform_, ...).
+# A draw made in a 16-bit dtype (``jax.random.normal(key, shape, jnp.bfloat16)``) samples
 # in it, bit for bit as plain JAX; the CUDA list's float32 ``log`` and ``erfinv`` inside its
 # transform widened it and changed its values. The gamma family is left to its own rule.
-RANDOM_DRAWS = (
+FACTORIES = (
   Row(
     ("normal", "randn", "rand", "uniform", "exponential", "cauchy", "log_normal"),
     Category.NATIVE,
@@ -158,15 +158,6 @@ EXPLICIT_DTYPE = (
   ),
 )
 
-# An einsum that sums over no index (``einsum("...hqk,h->...hqk")``, HF Flax BERT's head mask;
-# RoFormer's rotary ``einsum("bslh,...sh->bslh")``) is a product: where einsum is on no list
-# (CPU), torch's composite einsum computes it with ``mul``, unlisted, not with ``bmm``, so it
-# runs in its inputs' dtypes, the widest winning. The CUDA, XPU and XLA lists have einsum itself
-# (lower precision), whatever it sums.
-ELEMENTWISE_PRODUCT = (
-  Row(("mul",), Category.NATIVE, primitives=(Variant(prims.dot_general_p, "elementwise"),)),
-)
-
 # Activations torch lists nowhere: single kernels that return their input's dtype and compute in
 # float32 inside (torch's opmath), forward and backward. Composed of JAX primitives run in 16
 # bits, their gradient would overflow where torch's does not (gelu's and silu's backward
@@ -188,12 +179,7 @@ ACTIVATIONS_IN_OPMATH = (
     Category.FLOAT32_INSIDE,
     ops=ACTIVATION_OPS,
   ),
-  Row(
-    ("logaddexp", "logaddexp2", "xlogy", "special_xlog1py", "special_entr", "logit", "hypot")
-    + ("i0", "special_i1"),
-    Category.FLOAT32_INSIDE,
-    ops=ELEMENTWISE_FUNCTION_OPS,
-  ),
+  Row(ELEMENTWISE_FUNCTION_OPS, Category.FLOAT32_INSIDE, ops=ELEMENTWISE_FUNCTION_OPS),
 )
 
 # Parameters are created outside autocast in torch (``nn.Module.__init__``); flax linen's

@@ -139,7 +139,7 @@ ROWS = (
   Row((shared.WINDOW_SUM,), F_IN, ops=("window_sum",)),
   *shared.SPECIAL_FUNCTIONS_IN_FLOAT32,
   *shared.DATA_MOVEMENT,
-  *shared.RANDOM_DRAWS,
+  *shared.FACTORIES,
   *shared.EXPLICIT_DTYPE,
   *shared.PARAMETER_CREATION,
   *shared.ACTIVATIONS_IN_OPMATH,
