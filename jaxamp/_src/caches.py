@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, TypeVar
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+PLAIN = (int, float, complex, bool, str, bytes, type(None))
 _caches: weakref.WeakSet[WeakLRUCache] = weakref.WeakSet()
 
 
@@ -91,7 +91,7 @@ def key_part(x: Any, by_identity: bool = False) -> Hashable:
   Raises:
     TypeError: ``x`` is unhashable.
   """
-  if type(x) in _PLAIN:
+  if type(x) in PLAIN:
     return type(x), x
   if type(x) is tuple:
     return tuple, tuple(key_part(e) for e in x)

@@ -348,6 +348,17 @@ def test_a_16_bit_batch_norm_keeps_its_16_bit_moving_statistics(dtype, device_ty
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2)
 
 
+def test_an_autocast_model_called_eagerly_sees_weights_assigned_since_its_last_call():
+  # model(x) reads each variable's value when traced; assigning a variable (a fit, a restored
+  # checkpoint) replaces the value its trace read, so the next call traces again.
+  model = _classifier()
+  amp = jaxamp.autocast(model, device_type="cpu")
+  amp(X, training=False)
+  for variable in model.trainable_variables:
+    variable.assign(np.asarray(variable.value) * 0.5)
+  np.testing.assert_allclose(amp(X, training=False), model(X, training=False), rtol=0.05, atol=0.02)
+
+
 # --- model.fit and recurrent layers ---------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src import caches, compat
-from jaxamp._src.autocast import context, higher_order, interpreter, regions, rules
+from jaxamp._src.autocast import context, higher_order, interpreter, regions, rules, snapshots
 from jaxamp._src.autocast import overrides as overrides_lib
 from jaxamp._src.autocast.overrides import Overrides
 from jaxamp._src.integrations import nnx_modules
@@ -523,10 +523,11 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
     hash(key)
   except TypeError:
     key = None  # an unhashable function or static argument: trace every call
+  roots = (fun, *(leaf for _, leaf in static))
   if key is not None:
     hit = _traces.get(key)
-    if hit is not None:
-      return hit
+    if hit is not None and snapshots.holds(hit[1], roots):
+      return hit[0]
   out_tree_box = []
 
   def flat_fun(*arrays):
@@ -538,9 +539,9 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
     args, kwargs = jax.tree.unflatten(in_tree, leaves)
     out = fun(*args, **kwargs)
     out_leaves, out_tree = jax.tree.flatten(out)
-    # Outputs that are not traced values (strings, Python numbers, numpy constants) are returned
-    # as they are, like the static arguments.
-    traced = [isinstance(leaf, jax.core.Tracer) for leaf in out_leaves]
+    # Arrays, traced or constant, are jaxpr outputs; other leaves (strings, Python numbers) are
+    # returned as they are, like the static arguments.
+    traced = [_is_array_output(leaf) for leaf in out_leaves]
     out_tree_box.append(
       (out_tree, [_TRACED if t else leaf for leaf, t in zip(out_leaves, traced, strict=True)])
     )
@@ -563,9 +564,49 @@ def _trace(fun, in_tree, dynamic: tuple, static: tuple, in_avals: tuple):
     in_tree, dynamic, in_avals, out_tree, is_traced, tuple(closed.out_avals), _closed_over(fun)
   )
   result = (closed, out_tree, static_outs, state_outputs)
-  if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
-    _traces.put(key, result)
+  if (
+    key is not None
+    and not any(isinstance(c, jax.core.Tracer) for c in closed.consts)
+    and all(_is_value(leaf) for leaf in static_outs)
+  ):
+    _traces.put(key, (result, snapshots.take(roots)))
   return result
+
+
+def _is_array_output(leaf: Any) -> bool:
+  """Whether an output leaf of the traced function is an array (else a static value).
+
+  Raises:
+    TypeError: ``leaf`` is a generator or an object that is not a pytree yet holds a traced
+      array: ``jax.jit`` rejects them as outputs, and the tracer would escape its trace.
+  """
+  if isinstance(leaf, jax.core.Tracer) or is_array(leaf):
+    return True
+  fix = (
+    "autocast traces the function to a jaxpr, as jax.jit does, so what it returns must be a "
+    "pytree of arrays and static values"
+  )
+  if isinstance(leaf, types.GeneratorType):
+    raise TypeError(f"The autocast function returned a generator: {fix}; return a list or tuple.")
+  where = snapshots.tracer_in(leaf)
+  if where is not None:
+    raise TypeError(
+      f"The autocast function returned an object of type {type(leaf).__name__} that is not a "
+      f"pytree yet holds a traced array (at {where or 'its top'}): {fix}. Register its class "
+      "as a pytree "
+      "(jax.tree_util.register_dataclass, flax.struct.dataclass, an equinox.Module) or return "
+      "its arrays."
+    )
+  return False
+
+
+_VALUES = (*caches.PLAIN, np.dtype, type, types.FunctionType, types.BuiltinFunctionType)
+
+
+def _is_value(leaf: Any) -> bool:
+  """Whether a static output can be returned from a cached trace: a value, not an object that
+  could change or that the cache would keep alive."""
+  return leaf is _TRACED or isinstance(leaf, _VALUES)
 
 
 def _is_nnx_closure_write(error: Exception) -> bool:
