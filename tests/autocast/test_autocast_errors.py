@@ -30,7 +30,7 @@ def matmul(x):
 # --- device_type ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device_type", ["GPU", "CUDA", "cuda:0", "mps", "metal", ""])
+@pytest.mark.parametrize("device_type", ["GPU", "CUDA", "cuda:x", "cuda:", "mps:0", "metal", ""])
 def test_autocast_unknown_device_type_is_a_value_error_naming_the_choices(device_type):
   with pytest.raises(ValueError, match=rf"`device_type` must be one of {VALID_DEVICES}"):
     jaxamp.autocast(identity, device_type=device_type)
@@ -54,6 +54,18 @@ def test_jax_gpu_platform_names_are_the_cuda_policy(device_type):
   fun = jaxamp.autocast(lambda x: x @ x, device_type=device_type)
   assert fun(jnp.ones((2, 2))).dtype == jnp.float16
   assert jaxamp.explain(lambda x: x @ x, device_type=device_type)(jnp.ones((2, 2)))
+
+
+@pytest.mark.parametrize(
+  "device_type, base", [("cuda:0", "cuda"), ("cpu:0", "cpu"), ("gpu:1", "cuda")]
+)
+def test_torchs_indexed_device_string_is_its_device_types_policy(device_type, base):
+  # torch.autocast("cuda:0"), torch.amp.is_autocast_available("cuda:1"): a policy is per type.
+  assert jaxamp.is_autocast_available(device_type)
+  assert jaxamp.get_autocast_dtype(device_type) == jaxamp.get_autocast_dtype(base)
+  assert jaxamp.policy(device_type) == jaxamp.policy(base)
+  x = jnp.ones((2, 2))
+  assert jaxamp.autocast(matmul, device_type)(x).dtype == jaxamp.get_autocast_dtype(base)
 
 
 def test_an_unknown_device_type_error_says_which_platform_maps_to_which_policy():
@@ -341,7 +353,7 @@ def test_is_autocast_available_for_every_policy(device_type):
   assert jaxamp.is_autocast_available(device_type) is True
 
 
-@pytest.mark.parametrize("device_type", ["metal", "mps", "CUDA", ""])
+@pytest.mark.parametrize("device_type", ["metal", "mps", "CUDA", "", "cuda:x"])
 def test_is_autocast_available_is_false_for_unknown_device_types(device_type):
   assert jaxamp.is_autocast_available(device_type) is False
 

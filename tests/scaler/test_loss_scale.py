@@ -192,6 +192,26 @@ def test_skipped_step_keeps_large_inner_state_leaves_of_every_width_bit_identica
   assert tree_bitwise_equal(state.inner_state, old)
 
 
+def test_an_inner_state_of_many_prng_keys_takes_and_skips_steps():
+  # Typed PRNG keys (an optimizer drawing noise per row) have no -0.0 fill to select against.
+  old = jax.random.split(jax.random.key(0), 5000)
+  split = jax.vmap(lambda key: jax.random.split(key)[0])
+  inner = optax.GradientTransformation(
+    lambda params: old, lambda updates, state, params=None: (updates, split(state))
+  )
+  tx, params = jaxamp.dynamic_loss_scale(inner), {"w": jnp.ones(3)}
+  update = jitted_update(tx)
+  _, taken = update({"w": jnp.ones(3)}, tx.init(params), params)
+  _, skipped = update({"w": jnp.array([np.inf, 1.0, 1.0])}, taken, params)
+  assert not taken.found_inf and skipped.found_inf
+  np.testing.assert_array_equal(
+    jax.random.key_data(taken.inner_state), jax.random.key_data(split(old))
+  )
+  np.testing.assert_array_equal(
+    jax.random.key_data(skipped.inner_state), jax.random.key_data(taken.inner_state)
+  )
+
+
 PROMOTING_STATES = {  # optax's moments start in the params' dtype; the first update promotes them
   "bfloat16 params, float32 gradients": (
     {"w": jnp.full((64, 80), 0.5, jnp.bfloat16), "b": jnp.ones(3, jnp.bfloat16)},

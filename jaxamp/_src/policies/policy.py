@@ -152,7 +152,11 @@ def device_types() -> tuple[str, ...]:
 
 
 def _resolve(device_type: str) -> str | None:
-  """The device type whose table serves ``device_type`` (a JAX platform name too), or None."""
+  """The device type whose table serves ``device_type`` (a JAX platform name too, and torch's
+  indexed spelling ``"cuda:0"``: a policy is per device type), or None."""
+  base, colon, index = device_type.partition(":")
+  if colon and index.isdigit() and index.isascii():
+    device_type = base
   name = _ALIASES.get(device_type, device_type)
   return name if name in _TABLES else None
 

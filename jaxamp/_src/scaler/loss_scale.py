@@ -475,11 +475,12 @@ def _fresh(x: Any, keep: jax.Array, fill: Callable[[Any], jax.Array]) -> Any:
   A ``lax.cond`` branch that returns its operand unchanged makes XLA copy the operand before the
   cond, on every step: the skipped branch's old inner state was copied (a read and a write of
   every moment) on finite steps too. Computed in the branch, the copy happens only when it runs.
-  Small leaves (biases, norms, counts) are left as they are: their copies cost little to run.
+  Small leaves (biases, norms, counts) are left as they are: their copies cost little to run,
+  and so are leaves of extended dtypes (PRNG keys), which have no -0.0 to select against.
   """
   x = _as_array(x)
-  if x.size < _FRESH_FROM_SIZE:  # copied before the cond
-    return x
+  if x.size < _FRESH_FROM_SIZE or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+    return x  # copied before the cond
   return lax.select(keep, x, fill(x))
 
 
