@@ -8,6 +8,7 @@ parallelism over several devices.
 import json
 import textwrap
 
+import chex
 import cpu_devices
 import jax
 import jax.numpy as jnp
@@ -380,6 +381,27 @@ _DATA_PARALLEL_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow  # a subprocess on several virtual CPU devices
+def test_recipe_exported_train_step_serializes_and_reproduces_the_jitted_step():
+  # docs/loss_scaling.md, "Exporting a train step": the one check to disable on XLA:CPU.
+  params = {"w": jnp.linspace(-1.0, 1.0, 32).reshape(8, 4), "b": jnp.zeros(4)}
+  x = jnp.linspace(0.0, 1.0, 16).reshape(2, 8)
+  tx = jaxamp.dynamic_loss_scale(optax.adam(1e-3))
+
+  def train_step(params, opt_state):
+    loss = lambda p: jaxamp.scale_loss(jnp.mean((x @ p["w"] + p["b"]) ** 2), opt_state)
+    updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  leaves, treedef = jax.tree.flatten((params, tx.init(params)))
+  flat_step = lambda leaves: jax.tree.leaves(train_step(*jax.tree.unflatten(treedef, leaves)))
+  exported = jax.export.export(
+    jax.jit(flat_step),
+    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("LayoutConstraint")],
+  )(leaves)
+  restored = jax.export.deserialize(exported.serialize())
+  chex.assert_trees_all_equal(restored.call(leaves), jax.jit(flat_step)(leaves))
+
+
 def test_recipe_data_parallel_training_with_shard_map_and_axis_name():
   result = cpu_devices.run_json(_DATA_PARALLEL_SCRIPT, devices=4)
   assert result["devices"] == 4
