@@ -73,6 +73,12 @@ def __getattr__(name: str) -> object:
       "jaxamp is itself torch.amp: `jaxamp.autocast` is `torch.amp.autocast` and "
       "`jaxamp.dynamic_loss_scale` is `torch.amp.GradScaler`"
     ),
+    "is_autocast_enabled": (
+      "autocast is a function transformation, not a mode that code can query: a function runs "
+      "under autocast by being wrapped in `jaxamp.autocast(f, ...)`, "
+      "`jaxamp.explain(f, device_type=...)(*args)` shows the dtype each op gets, and "
+      "`jaxamp.autocast_disabled()` is torch's `autocast(enabled=False)`"
+    ),
     "cuda": (
       "jaxamp has no cuda module: torch.cuda.amp.autocast() is "
       '`jaxamp.autocast(f, device_type="cuda")` and torch.cuda.amp.GradScaler() is '

@@ -454,6 +454,7 @@ def test_autocast_disabled_takes_no_arguments():
     ("GradScaler", r"jaxamp\.dynamic_loss_scale\(optax.*jaxamp\.scale_loss.*jaxamp\.scaler"),
     ("amp", r"jaxamp is itself torch\.amp: `jaxamp\.autocast`.*`jaxamp\.dynamic_loss_scale`"),
     ("cuda", r'jaxamp\.autocast\(f, device_type="cuda"\)'),
+    ("is_autocast_enabled", r"a function transformation.*jaxamp\.explain.*autocast_disabled"),
   ],
 )
 def test_torch_names_raise_an_attribute_error_naming_the_jax_spelling(name, spelling):
@@ -467,3 +468,13 @@ def test_torch_names_raise_an_attribute_error_naming_the_jax_spelling(name, spel
 def test_other_missing_names_raise_the_usual_attribute_error():
   with pytest.raises(AttributeError, match=r"^module 'jaxamp' has no attribute 'GradScalar'$"):
     jaxamp.GradScalar  # noqa: B018
+
+
+def test_a_users_forbidden_op_names_its_registration_not_binary_cross_entropys_advice():
+  @jaxamp.register_op("guarded_tanh", category="forbidden")
+  def guarded_tanh(a):
+    return jnp.tanh(a) * 2
+
+  with pytest.raises(RuntimeError, match="`guarded_tanh` is FORBIDDEN.*autocast_disabled") as error:
+    jaxamp.autocast(lambda a: guarded_tanh(a @ a), device_type="cuda")(jnp.ones((2, 2)))
+  assert "with-logits" not in str(error.value)

@@ -176,19 +176,28 @@ def _eval_one(
   rules.record_facts(eqn, env, applied)
 
 
+def _forbidden_message(name: str, device_type: str) -> str:
+  """Why op ``name`` refuses to run under ``device_type``'s policy, and what to run instead."""
+  disabled = "call it in a jaxamp.autocast_disabled() block on float32 inputs"
+  if name != "binary_cross_entropy":  # a user's row or registration made it FORBIDDEN
+    return (
+      f"`{name}` is FORBIDDEN under autocast in this {device_type!r} policy (its registration "
+      f"or a with_rules row says so): {disabled}, or give it another category."
+    )
+  return (
+    f"`{name}` is unsafe to autocast under the {device_type!r} policy, as in torch: its "
+    "backward pass may produce gradients float16 cannot represent. Use the with-logits form "
+    "(jaxamp.functional.binary_cross_entropy_with_logits, optax.sigmoid_binary_cross_entropy, "
+    f"Keras's BinaryCrossentropy(from_logits=True)) on logits, or {disabled}."
+  )
+
+
 def _enter_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> None:
   """What an op call's eqn owes the call whatever its rule: a FORBIDDEN op raises, a
   FLOAT32_INSIDE op notes the types of the values entering it (its exits follow them), and an
   accumulating LOWER op notes the low dtype its results leave in."""
   if call.category is Category.FORBIDDEN:
-    raise RuntimeError(
-      f"`{call.region.name}` is unsafe to autocast under the {ctx.policy.device_type!r} "
-      "policy, as in torch: its backward pass may produce gradients float16 cannot "
-      "represent. Use the with-logits form (jaxamp.functional."
-      "binary_cross_entropy_with_logits, optax.sigmoid_binary_cross_entropy, Keras's "
-      "BinaryCrossentropy(from_logits=True)) on logits, or call it in a "
-      "jaxamp.autocast_disabled() block on float32 inputs."
-    )
+    raise RuntimeError(_forbidden_message(call.region.name, ctx.policy.device_type))
   if call.category is Category.FLOAT32_INSIDE:
     entering = [  # arrays: a Ref or an nnx hijax Variable read inside has no dtype to follow
       compat.aval_with_dtype(a.aval, env.dtype(a))
