@@ -125,3 +125,8 @@ def test_an_nnx_module_as_the_function_is_reported_like_its_autocast(tool, recor
   result = tool(model, device_type="cuda")(jnp.ones((4, 8)))
   assert any(entry.primitive == "dot_general" for entry in getattr(result, records))
   assert model.layers[1].mean.get_value() is mean
+
+
+def test_the_device_type_may_be_the_second_positional_argument_as_for_autocast():
+  positional = jaxamp.explain(model, "cuda")(X, W)
+  assert positional.decisions == jaxamp.explain(model, device_type="cuda")(X, W).decisions

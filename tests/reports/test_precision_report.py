@@ -265,3 +265,11 @@ def test_precision_report_rejects_bad_input():
     report.worst(-1)
   with pytest.raises(ValueError, match="`at_least` must be"):
     report.where_error_starts(at_least=-1.0)
+
+
+def test_the_device_type_may_be_the_second_positional_argument_as_for_autocast():
+  def f(x, w):
+    return jnp.tanh(x @ w)
+
+  positional = jaxamp.precision_report(f, "cuda")(X, W)
+  assert str(positional) == str(jaxamp.precision_report(f, device_type="cuda")(X, W))

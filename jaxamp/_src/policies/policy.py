@@ -300,5 +300,9 @@ def is_autocast_available(device_type: str) -> bool:
 
 
 def get_autocast_dtype(device_type: str) -> np.dtype:
-  """The default lower-precision dtype of ``device_type``'s policy."""
+  """The default lower-precision dtype of ``device_type``'s policy.
+
+  Inside an autocast function too (torch answers with the enclosing region's dtype): the
+  function is traced before a policy applies, so no call inside it knows one.
+  """
   return get_table(device_type).default_dtype

@@ -237,8 +237,8 @@ def torch_ops_of(table: Table, eqn, ruling: rules.Ruling) -> tuple[str, ...]:
 
 def explain(
   fun: Callable,
-  *,
   device_type: str | None = None,
+  *,
   dtype=None,
   policy: policy_lib.Policy | None = None,
   overrides: Mapping | None = None,

@@ -237,8 +237,8 @@ def _sort(entries, order: str) -> tuple[PrecisionEntry, ...]:
 
 def precision_report(
   fun: Callable,
-  *,
   device_type: str | None = None,
+  *,
   dtype=None,
   policy: Policy | None = None,
   overrides: Mapping | None = None,
