@@ -866,3 +866,23 @@ def _inverse_kernels(leaves: int) -> int:
 def test_unscale_compiles_the_exact_inverse_once_whatever_the_leaf_count():
   # XLA fused the ~100 scalar ops of torch's float64 inverse into every leaf's kernel.
   assert _inverse_kernels(4) == _inverse_kernels(32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_float8_losses_and_gradients_are_a_type_error_saying_to_cast_to_float32(dtype):
+  # torch's GradScaler has no float8 arithmetic either ("Promotion for Float8 Types is not
+  # supported"); the message names the float32 cast.
+  params = {"w": jnp.ones(4, dtype)}
+  tx = jaxamp.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0)
+  state = tx.init(params)
+  grads = {"w": jnp.ones(4, dtype)}
+  calls = {
+    "updates": lambda: tx.update(grads, state, params),
+    "grads": lambda: jaxamp.unscale(grads, state),
+    "loss": lambda: jaxamp.scale_loss(jnp.asarray(2.0, dtype), state),
+  }
+  for argument, call in calls.items():
+    with pytest.raises(
+      TypeError, match=rf"`{argument}` has a {jnp.dtype(dtype).name} leaf.*float32"
+    ):
+      call()

@@ -165,6 +165,21 @@ def check_output(x: Any) -> None:
     )
 
 
+def check_no_float8(tree: Any, argument: str) -> None:
+  """Refuses float8 leaves of ``argument`` (the loss or the gradients): torch's GradScaler has no
+  float8 arithmetic (float8 does not promote with the float32 scale), and neither has JAX."""
+  for leaf in jax.tree.leaves(tree):
+    dtype = getattr(leaf, "dtype", None)  # other leaves fail their own checks
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+      raise TypeError(
+        f"`{argument}` has a {dtype} leaf: loss scaling computes in float32 with the scale, "
+        "which float8 does not promote with (torch's GradScaler refuses float8 too). Float8 "
+        "autocast (`dtype=jnp.float8_e4m3fn`) keeps float32 parameters, losses and gradients; "
+        f"cast float8 values to float32 first (`jax.tree.map(lambda x: x.astype(jnp.float32), "
+        f"{argument})`)."
+      )
+
+
 def as_new_scale(new_scale: Any) -> Any:
   """Validates ``set_scale``'s ``new_scale``; returns a Python float or a float32 0-d array."""
   if isinstance(new_scale, float):  # np.float64 too

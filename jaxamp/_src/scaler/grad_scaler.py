@@ -77,6 +77,7 @@ def scale_loss(loss: chex.ArrayTree, opt_state: Any) -> chex.ArrayTree:
   state = _find(opt_state)
   if not state.enabled:
     return loss
+  checks.check_no_float8(loss, "loss")
   scale = lax.stop_gradient(get_scale(opt_state))
 
   def scale_one(x: Any) -> jax.Array:

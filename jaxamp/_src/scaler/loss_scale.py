@@ -345,6 +345,7 @@ def unscale_and_check(grads: Any, scale: jax.Array, axis_name: Any) -> tuple[Any
   unscaled ones, ``_found_inf``), reduced over ``axis_name``. ``update`` and ``unscale`` share
   this, so both give the same bits.
   """
+  checks.check_no_float8(grads, "grads")
   factors = _unscale_factors(scale)
   return _tree_unscale_by(grads, factors), _found_inf(grads, axis_name, factors)
 
@@ -636,6 +637,7 @@ def dynamic_loss_scale(
       updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
 
+    checks.check_no_float8(updates, "updates")
     if found_inf is None:
       _refuse_objective_functions(extra_args)
     updates = _row_major_on_cpu(updates)  # the check's and the cond's operands: one layout
