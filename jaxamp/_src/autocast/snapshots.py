@@ -26,9 +26,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxamp._src import caches
+
 _DEPTH = 6
 _LIMIT = 2048
-_SCALARS = (int, float, complex, bool, str, bytes, type(None), np.generic)
+_SCALARS = (*caches.PLAIN, np.generic)
 _OPAQUE = (type, types.ModuleType, types.BuiltinFunctionType, types.CodeType)
 _LEAVES = (*_SCALARS, jax.Array, np.ndarray, *_OPAQUE)
 
@@ -124,9 +126,13 @@ def _fingerprint(value: Any) -> tuple | None:
     return ("code", value.__code__)
   if isinstance(value, functools.partial | types.MethodType):
     return ("type", type(value))
+  return ("instance", weakref.ref(type(value)), _attribute_count(value))
+
+
+def _attribute_count(value: Any) -> int | None:
+  """How many attributes ``value``'s ``__dict__`` holds (None: it has none)."""
   attributes = getattr(value, "__dict__", None)
-  count = len(attributes) if isinstance(attributes, dict) else None
-  return ("instance", weakref.ref(type(value)), count)
+  return len(attributes) if isinstance(attributes, dict) else None
 
 
 def _matches(value: Any, fingerprint: tuple) -> bool:
@@ -139,9 +145,7 @@ def _matches(value: Any, fingerprint: tuple) -> bool:
   if kind == "code":
     return getattr(value, "__code__", None) is fingerprint[1]
   if kind == "instance":
-    attributes = getattr(value, "__dict__", None)
-    count = len(attributes) if isinstance(attributes, dict) else None
-    return type(value) is fingerprint[1]() and count == fingerprint[2]
+    return type(value) is fingerprint[1]() and _attribute_count(value) == fingerprint[2]
   if type(value) is not fingerprint[1]:
     return False
   return kind != "length" or len(value) == fingerprint[2]

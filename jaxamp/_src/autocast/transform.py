@@ -593,9 +593,8 @@ def _is_array_output(leaf: Any) -> bool:
     raise TypeError(
       f"The autocast function returned an object of type {type(leaf).__name__} that is not a "
       f"pytree yet holds a traced array (at {where or 'its top'}): {fix}. Register its class "
-      "as a pytree "
-      "(jax.tree_util.register_dataclass, flax.struct.dataclass, an equinox.Module) or return "
-      "its arrays."
+      "as a pytree (jax.tree_util.register_dataclass, flax.struct.dataclass, an equinox.Module) "
+      "or return its arrays."
     )
   return False
 
