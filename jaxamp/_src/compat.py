@@ -569,22 +569,31 @@ def bilinear_primitive(
   return primitive
 
 
-def platform_identity(name: str, platform: str, barrier: Any) -> Any:
-  """A new primitive of one operand: the identity, but lowered as the one-operand primitive
-  ``barrier`` (``optimization_barrier_p``) for ``platform`` (``"cpu"``). Linear, elementwise
-  under ``vmap``; nothing is traced per platform, unlike ``lax.platform_dependent``."""
+def identity_primitive(name: str) -> Any:
+  """A new primitive of one operand: the identity, lowered as nothing. Linear, elementwise under
+  ``vmap``: an eqn to mark a value with, which compiles away."""
   from jax.interpreters import ad, batching, mlir
-
-  def lowered(ctx, x):
-    return lower_as(ctx, barrier, [x], ctx.avals_in, ctx.avals_out)
 
   primitive = jex_core.Primitive(name)
   primitive.def_impl(lambda x: x)
   primitive.def_abstract_eval(lambda aval: aval)
   mlir.register_lowering(primitive, lambda ctx, x: [x])
-  mlir.register_lowering(primitive, lowered, platform=platform)
   ad.deflinear2(primitive, lambda ct, _: [primitive.bind(ct)])
   batching.defvectorized(primitive)
+  return primitive
+
+
+def platform_identity(name: str, platform: str, barrier: Any) -> Any:
+  """A new primitive of one operand: the identity, but lowered as the one-operand primitive
+  ``barrier`` (``optimization_barrier_p``) for ``platform`` (``"cpu"``). Linear, elementwise
+  under ``vmap``; nothing is traced per platform, unlike ``lax.platform_dependent``."""
+  from jax.interpreters import mlir
+
+  def lowered(ctx, x):
+    return lower_as(ctx, barrier, [x], ctx.avals_in, ctx.avals_out)
+
+  primitive = identity_primitive(name)
+  mlir.register_lowering(primitive, lowered, platform=platform)
   return primitive
 
 

@@ -442,6 +442,36 @@ def test_registered_op_uses_its_category():
   assert fun(X, W).dtype == jnp.float32
 
 
+def test_a_registered_float32_op_returning_its_input_returns_it_in_float32():
+  passed_on = jaxamp.register_op("test_semantics.passed_on", category="float32")(lambda a: a)
+  fun = jaxamp.autocast(lambda x, w: passed_on(x @ w), device_type="cuda")
+  assert fun(X, W).dtype == jnp.float32
+
+
+def test_a_registered_lower_op_returning_its_input_returns_it_in_16_bits():
+  passed_on = jaxamp.register_op("test_semantics.passed_on_low", category="lower")(lambda a: a)
+  assert jaxamp.autocast(passed_on, device_type="cuda")(X).dtype == jnp.float16
+
+
+def test_an_input_a_registered_op_returns_beside_a_result_takes_the_ops_dtype_too():
+  both = jaxamp.register_op("test_semantics.both", category="float32")(lambda a, b: (a, a * b))
+  fun = jaxamp.autocast(lambda x, w: both(x @ w, x @ w), device_type="cuda")
+  assert [out.dtype for out in fun(X, W)] == [jnp.float32, jnp.float32]
+
+
+def test_a_forbidden_registered_op_returning_its_input_raises():
+  passed_on = jaxamp.register_op("test_semantics.passed_on_fb", category="forbidden")(lambda a: a)
+  with pytest.raises(RuntimeError, match="FORBIDDEN"):
+    jaxamp.autocast(lambda x, w: passed_on(x @ w), device_type="cuda")(X, W)
+
+
+def test_a_registered_op_returning_its_input_is_the_identity_outside_autocast():
+  passed_on = jaxamp.register_op("test_semantics.identity", category="float32")(lambda a: a)
+  fun = jax.jit(jax.vmap(jax.grad(lambda x: (passed_on(x) ** 2).sum())))
+  np.testing.assert_array_equal(fun(X[None]), 2 * X[None])
+  assert "jaxamp" not in jax.jit(passed_on).lower(X).as_text()
+
+
 @pytest.mark.slow
 def test_optax_losses_are_recognised_as_float32_ops_on_cpu():
   labels = jnp.array([0, 1, 2, 3])

@@ -170,6 +170,12 @@ def test_jax_spelling_still_runs_in_float32():
   np.testing.assert_allclose(gw, rw, rtol=1e-6)
 
 
+def test_an_input_a_custom_fwd_function_returns_comes_back_cast():
+  passed_on = jaxamp.custom_fwd(cast_inputs=jnp.float32)(lambda a, b: (a, b * 2))
+  outs = cuda(lambda x, w: passed_on(x @ w, x @ w))(X, W)
+  assert [out.dtype for out in outs] == [jnp.float32, jnp.float32]
+
+
 @pytest.mark.parametrize(
   "decorate_fwd",
   [lambda f: f, jaxamp.custom_fwd(cast_inputs=None)],

@@ -24,7 +24,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +114,24 @@ def op_region(name: str) -> Iterator[None]:
     yield
 
 
+def call_as_op(name: str, fun: Callable, args: tuple, kwargs: dict) -> Any:
+  """``fun(*args, **kwargs)`` as one call of op ``name``. An input it returns unchanged leaves
+  through an identity eqn of the op, so it takes the op's dtype like its other results (torch's
+  op returns the input it was given after autocast's cast)."""
+  with op_region(name):
+    out = fun(*args, **kwargs)
+    inputs = {
+      id(leaf) for leaf in jax.tree.leaves((args, kwargs)) if isinstance(leaf, jax.core.Tracer)
+    }
+    if inputs and any(id(leaf) in inputs for leaf in jax.tree.leaves(out)):
+      out = jax.tree.map(lambda leaf: op_output_p.bind(leaf) if id(leaf) in inputs else leaf, out)
+    return out
+
+
+# The identity: an input an op region returns unchanged, as the op's result.
+op_output_p = compat.identity_primitive("jaxamp_op_output")
+
+
 _CUSTOM_FWD = "custom_fwd:"
 
 
@@ -165,8 +183,7 @@ def register_op(
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-      with op_region(name):
-        return fun(*args, **kwargs)
+      return call_as_op(name, fun, args, kwargs)
 
     setattr(wrapped, _OP_NAME, name)  # a rule keyed by the function names its op
     return wrapped

@@ -645,8 +645,7 @@ def custom_fwd(
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    with regions.op_region(regions.custom_fwd_name(target, device_type)):
-      return fun(*args, **kwargs)
+    return regions.call_as_op(regions.custom_fwd_name(target, device_type), fun, args, kwargs)
 
   return wrapped
 

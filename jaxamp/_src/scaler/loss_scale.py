@@ -333,7 +333,7 @@ def _tree_unscale_by(tree: Any, factors: jax.Array) -> Any:
 
 
 def _narrower_than_float32(g: Any) -> bool:
-  """Whether ``g`` is a floating leaf narrower than float32 (float16, bfloat16, float8)."""
+  """Whether ``g`` is a floating leaf narrower than float32 (float16, bfloat16)."""
   dtype = _as_array(g).dtype
   return jnp.issubdtype(dtype, jnp.inexact) and dtype.itemsize < 4
 
