@@ -190,3 +190,59 @@ def test_reshapes_of_a_symbolic_batch_export(device_type):
   for n in (1, 3):
     x = jnp.asarray(np.random.default_rng(n).standard_normal((n, 6, 6, 3)), jnp.float32)
     assert_bitwise_equal(restored.call(variables, x), fn(variables, x))
+
+
+def _causal_scores(x, w):
+  h = x @ w
+  causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
+  return (
+    jnp.where(causal, h @ h.T, -1e9)
+    + jnp.zeros(x.shape[0])
+    - jnp.broadcast_to(x[:, :1], causal.shape)
+  )
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_broadcasts_to_a_symbolic_size_export(device_type):
+  w = jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32)
+  fn = jax.jit(jaxamp.autocast(_causal_scores, device_type=device_type))
+  (batch,) = export.symbolic_shape("batch")
+  spec = jax.ShapeDtypeStruct((batch, 8), jnp.float32)
+  restored = round_trip(export.export(fn, platforms=("cpu",))(spec, w))
+  for n in (1, 3):  # XLA compiles a size-1 dot of static shapes apart: close, not bitwise
+    x = jnp.asarray(np.random.default_rng(n).standard_normal((n, 8)), jnp.float32)
+    actual, expected = restored.call(x, w), fn(x, w)
+    assert actual.dtype == expected.dtype
+    np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_a_parameter_broadcast_to_a_symbolic_size_exports_its_float32_gradient():
+  (batch,) = export.symbolic_shape("batch")
+  loss = jaxamp.autocast(
+    lambda b, x: ((x + jnp.broadcast_to(b, x.shape)) @ x.T).astype(jnp.float32).sum(),
+    device_type="cuda",
+  )
+  grad = jax.jit(jax.grad(loss))
+  b = jnp.ones((8,), jnp.float32)
+  restored = round_trip(
+    export.export(grad, platforms=("cpu",))(b, jax.ShapeDtypeStruct((batch, 8), jnp.float32))
+  )
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 8)), jnp.float32)
+  assert_bitwise_equal(restored.call(b, x), grad(b, x))
+
+
+_both_tanh = jaxamp.register_op("test_export.both_tanh", category="float32_inside")(
+  lambda a, b: (jnp.tanh(a), jnp.tanh(b))
+)
+
+
+@pytest.mark.parametrize("symbolic_first", [True, False])
+def test_an_op_given_a_symbolic_and_a_static_input_exports(symbolic_first):
+  def fun(x, w):
+    a, b = (x @ w)[:, 0], w[0, :4] @ w[:4, :4]
+    return _both_tanh(a, b) if symbolic_first else _both_tanh(b, a)
+
+  (batch,) = export.symbolic_shape("batch")
+  spec = jax.ShapeDtypeStruct((batch, 8), jnp.float32)
+  exp = export.export(jax.jit(jaxamp.autocast(fun, device_type="cuda")))(spec, jnp.ones((8, 8)))
+  assert {aval.dtype for aval in exp.out_avals} == {jnp.dtype(jnp.float16)}

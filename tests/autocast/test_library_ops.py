@@ -729,6 +729,15 @@ def test_a_variance_centres_on_a_float32_mean(reduction, device_type, low):
   _within_one_ulp(out, reduction(x.astype(low).astype(F32), axis=-1), low)
 
 
+def test_logcumsumexp_returns_float16_under_cuda_accumulated_in_float32():
+  # Not on torch's CUDA lists: its kernel returns the input's dtype.
+  x, w = _through_a_dot(x_of(2, 256) + 0.5)
+  fun = lambda x, w: jax.lax.cumlogsumexp(x @ w, axis=1)
+  out = jax.jit(jaxamp.autocast(fun, device_type="cuda"))(x, w)
+  assert out.dtype == F16
+  _within_one_ulp(out, jax.lax.cumlogsumexp(x.astype(F16).astype(F32), axis=1), F16)
+
+
 @pytest.mark.parametrize("scan", [jnp.cumsum, jax.lax.cumsum, jax.lax.cumlogsumexp])
 def test_a_scan_accumulates_in_float32_on_cpu(scan):
   x, w = _through_a_dot(x_of(2, 256) + 0.5)

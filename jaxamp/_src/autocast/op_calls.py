@@ -8,11 +8,13 @@ remembers each FLOAT32_INSIDE call's main input so its float32 results leave in 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax import export
 
 from jaxamp._src import compat
 from jaxamp._src.autocast import casting, regions
@@ -188,8 +190,18 @@ def _sets_result_dtype(eqns) -> bool:
     last.primitive is compat.primitives.convert_element_type_p
     and _floating_dtype(last.outvars[0].aval) is not None
     and bool(floating)
-    and max(floating, key=lambda aval: aval.size).dtype != last.params["new_dtype"]
+    and max(floating, key=_ordering_size).dtype != last.params["new_dtype"]
   )
+
+
+# What a symbolic dimension (``jax.export``) counts as when sizes are ordered: more than any static
+# one, as a batch or a sequence length is; Python compares symbolic sizes only for equality.
+_SYMBOLIC_SIZE = 2**40
+
+
+def _ordering_size(aval) -> int:
+  """``aval``'s size, for choosing the largest of several values."""
+  return math.prod(_SYMBOLIC_SIZE if export.is_symbolic_dim(d) else d for d in aval.shape)
 
 
 def _floating_dtype(aval) -> np.dtype | None:
@@ -348,7 +360,7 @@ class OpExits:
     for aval in avals:
       if not casting.is_eligible(aval.dtype):
         continue
-      if main is None or aval.size > main.size:
+      if main is None or _ordering_size(aval) > _ordering_size(main):
         main, aval = aval, main
       if aval is not None and stateful:
         shapes |= {aval.shape}

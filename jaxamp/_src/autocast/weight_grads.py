@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -90,9 +89,11 @@ def bind(eqn, env: Env, invals: Sequence[Any], params: dict | None = None) -> li
     return _bind(eqn, env, invals, params)
   params = eqn.params if params is None else params
   if _enabled and eqn.primitive is prims.broadcast_in_dim_p:
-    grows = np.size(invals[0]) < math.prod(params["shape"])
-    if grows and _gets_a_float32_sum(eqn.invars[0], invals[0], env):
-      broadcast = _summed_in_float32(params["shape"], params["broadcast_dimensions"], params)
+    shape, dims = params["shape"], params["broadcast_dimensions"]
+    if _repeats(compat.typeof(invals[0]).shape, shape, dims) and _gets_a_float32_sum(
+      eqn.invars[0], invals[0], env
+    ):
+      broadcast = _summed_in_float32(shape, dims, params)
       return [compat.bind_like(eqn, broadcast, invals)]
   if _enabled and eqn.primitive in _BROADCASTING and len(eqn.outvars) == 1:
     shape = eqn.outvars[0].aval.shape  # a rank-0 operand, or one with size-1 dims, broadcasts
@@ -105,6 +106,14 @@ def bind(eqn, env: Env, invals: Sequence[Any], params: dict | None = None) -> li
       for atom, value in zip(eqn.invars, invals, strict=True)
     ]
   return compat.bind(eqn, invals, params)
+
+
+def _repeats(operand_shape, shape, broadcast_dimensions) -> bool:
+  """Whether a broadcast to ``shape`` repeats its operand: an output axis the operand lacks, or
+  has as 1, is larger than 1. Sizes are compared for equality only, which symbolic ones
+  (``jax.export``) decide, not ordered."""
+  sizes = dict(zip(broadcast_dimensions, operand_shape, strict=True))
+  return any(sizes.get(axis, 1) != size != 1 for axis, size in enumerate(shape))
 
 
 # Elementwise primitives that take a rank-0 operand for one of their output's shape.
