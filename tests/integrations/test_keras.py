@@ -421,3 +421,15 @@ def test_a_recurrent_layer_runs_its_cells_in_float16_under_cuda_as_torch(name):
   np.testing.assert_allclose(
     np.asarray(out, np.float32), call(trainable, non_trainable, x), rtol=0.02, atol=0.02
   )
+
+
+@pytest.mark.parametrize("unroll, state_dtype", [(False, jnp.float32), (True, jnp.float16)])
+def test_an_lstms_returned_state_is_its_carry_in_the_carrys_dtype(unroll, state_dtype):
+  # The README's Limits: a scan's carry keeps its declared dtype; unrolled, no scan carries it.
+  layer = layers.LSTM(4, return_sequences=True, return_state=True, unroll=unroll)
+  x = RNG.standard_normal((2, 5, 3)).astype(np.float32)
+  layer.build(x.shape)
+  trainable, non_trainable = _variables(layer)
+  call = lambda t, n, x: layer.stateless_call(t, n, x)[0]
+  sequence, h, c = jaxamp.autocast(call, device_type="cuda")(trainable, non_trainable, x)
+  assert (sequence.dtype, h.dtype, c.dtype) == (jnp.float16, state_dtype, state_dtype)
