@@ -120,12 +120,14 @@ def call_as_op(name: str, fun: Callable, args: tuple, kwargs: dict) -> Any:
   op returns the input it was given after autocast's cast)."""
   with op_region(name):
     out = fun(*args, **kwargs)
-    inputs = {
-      id(leaf) for leaf in jax.tree.leaves((args, kwargs)) if isinstance(leaf, jax.core.Tracer)
-    }
+    inputs = {id(leaf) for leaf in jax.tree.leaves((args, kwargs)) if _floating_tracer(leaf)}
     if inputs and any(id(leaf) in inputs for leaf in jax.tree.leaves(out)):
       out = jax.tree.map(lambda leaf: op_output_p.bind(leaf) if id(leaf) in inputs else leaf, out)
     return out
+
+
+def _floating_tracer(leaf: Any) -> bool:
+  return isinstance(leaf, jax.core.Tracer) and jnp.issubdtype(leaf.dtype, jnp.inexact)
 
 
 # The identity: an input an op region returns unchanged, as the op's result.
