@@ -167,6 +167,39 @@ def test_a_typed_prng_key_carried_through_a_loop_or_cond_draws_what_plain_jax_dr
   assert (x == plain_x).all()
 
 
+def _diagonal_solve(a, b):
+  """A custom_linear_solve whose matvec and solve are written by hand."""
+  return lax.custom_linear_solve(lambda v: a[:, None] * v, b, lambda _, r: r / a[:, None])
+
+
+LINEAR_SOLVES = {
+  "jnp.linalg.solve": lambda a, b: jnp.linalg.solve(a, b),
+  "jax.scipy.linalg.solve(assume_a='pos')": lambda a, b: jax.scipy.linalg.solve(
+    a @ a.T, b, assume_a="pos"
+  ),
+  "custom_linear_solve": lambda a, b: _diagonal_solve(jnp.diag(a), b),
+}
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+@pytest.mark.parametrize("solve", sorted(LINEAR_SOLVES))
+def test_a_linear_solves_result_keeps_its_declared_dtype_when_its_right_hand_side_was_lowered(
+  solve, device_type
+):
+  a = jnp.eye(8) * 4 + W
+  fun = lambda a, w, x: LINEAR_SOLVES[solve](a, w @ x)  # b: the product, 16-bit under autocast
+  out = jaxamp.autocast(fun, device_type=device_type)(a, W, X.T)
+  assert out.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("solve", sorted(LINEAR_SOLVES))
+def test_a_linear_solve_of_16_bit_operands_stays_16_bit(solve):
+  a = (jnp.eye(8) * 4 + W).astype(jnp.float16)
+  b = jnp.ones((8, 4), jnp.float16)
+  out = jaxamp.autocast(LINEAR_SOLVES[solve], device_type="cuda")(a, b)
+  assert out.dtype == jax.eval_shape(LINEAR_SOLVES[solve], a, b).dtype
+
+
 def test_cond_branch_outputs_keep_their_declared_dtypes():
   fun = lambda x, w: lax.cond(True, lambda a: a @ w, lambda a: a, x)
   assert jaxamp.autocast(fun, device_type="cuda")(X, W).dtype == jnp.float32

@@ -71,6 +71,14 @@ def test_a_library_function_rule_changes_its_op_region():
   assert _out_dtype(gelu, policy, X, W) == F32
 
 
+def test_a_function_key_changes_its_own_op_of_a_shared_row_only():
+  policy = jaxamp.policy("cuda").with_rules({jnp.tensordot: jaxamp.Category.LOWER})
+  dense = lambda x, w: jnp.tensordot(x, w, axes=1)  # penzai's Linear
+  assert _out_dtype(dense, jaxamp.policy("cuda"), X, W) == F32  # torch's tensordot promotes
+  assert _out_dtype(dense, policy, X, W) == F16
+  assert [change.key for change in policy.diff()] == ["op region `tensordot`"]
+
+
 @jaxamp.register_op("squared_for_a_rule", category="float32")
 def _squared(h):
   return h * h

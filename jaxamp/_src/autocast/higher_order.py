@@ -419,11 +419,13 @@ def _shard_map_rule(eqn, invals, env, ctx):
 
 
 def _linear_solve_rule(eqn, invals, env, ctx):
-  """Each of the solve's functions (matvec, solve, ...) maps vectors of ``b``'s dtype to it."""
+  """Each of the solve's functions (matvec, solve, ...) maps vectors of ``b``'s declared dtype to
+  it, so the solution keeps that dtype, as a loop's carry does (an iterative solve is a loop)."""
   lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
   n_consts = sum(lengths)
+  b_dtypes = tuple(v.aval.dtype for v in eqn.invars[n_consts:])
+  invals = [*invals[:n_consts], *_match(invals[n_consts:], b_dtypes)]
   b = invals[n_consts:]
-  b_dtypes = tuple(compat.typeof(v).dtype for v in b)
   new, start = [], 0
   for length, closed in zip(lengths, jaxprs, strict=True):
     consts = invals[start : start + length]
@@ -432,13 +434,11 @@ def _linear_solve_rule(eqn, invals, env, ctx):
     if closed is None:
       new.append(None)
       continue
-    body_in = [*consts, *_match(b, [v.aval.dtype for v in closed.jaxpr.invars[length:]])]
-    body_in = [*consts, *_match(body_in[length:], b_dtypes)]
     new.append(
       rewrite(
         closed.jaxpr,
         closed.consts,
-        body_avals(closed.jaxpr.invars, body_in, weak),
+        body_avals(closed.jaxpr.invars, [*consts, *b], weak),
         ctx,
         b_dtypes,
         path=sub_path(env.path, eqn),
