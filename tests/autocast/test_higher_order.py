@@ -327,3 +327,19 @@ def test_gradients_through_a_vmapped_custom_vmap_are_float32():
   expected = jax.grad(lambda w: jax.vmap(f, in_axes=(0, None))(VMAPPED_X, w).sum())(W)
   assert grad.dtype == jnp.float32
   np.testing.assert_allclose(grad, expected, rtol=2e-2, atol=1e-3)
+
+
+def test_a_jet_inside_autocast_runs_its_taylor_series_matmuls_low():
+  from jax.experimental import jet
+
+  f = lambda x: jnp.sin(x @ W)
+  taylor = lambda x: jet.jet(f, (x,), ((jnp.ones_like(x),),))
+  (primal, (series,)), (plain_primal, (plain_series,)) = (
+    jaxamp.autocast(taylor, device_type="cuda")(X),
+    taylor(X),
+  )
+  jaxpr = jax.make_jaxpr(jaxamp.autocast(taylor, device_type="cuda"))(X)
+  dots = jaxpr_utils.dtypes_of(jaxpr, "dot_general")
+  assert dots and all(ins == (jnp.float16, jnp.float16) for ins, _ in dots), dots
+  np.testing.assert_allclose(primal, plain_primal, rtol=1e-2)
+  np.testing.assert_allclose(series, plain_series, rtol=1e-2, atol=1e-2)
