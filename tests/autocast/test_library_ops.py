@@ -275,6 +275,10 @@ EXAMPLES = {
     nnx.InstanceNorm(4, rngs=nnx.Rngs(0)), x_of(2, 3, 4)
   ),
   ("flax.nnx", "PReLU.__call__"): nnx_call(nnx.PReLU(), X),
+  ("haiku._src.transform", "transform_with_state.<locals>.init_fn"): (
+    lambda x: hk.transform(lambda x: hk.Linear(3)(x)).init(KEY, x),
+    (X,),
+  ),
   ("haiku", "LayerNorm.__call__"): haiku(lambda x: hk.LayerNorm(-1, True, True)(x), X),
   ("haiku", "GroupNorm.__call__"): haiku(lambda x: hk.GroupNorm(2)(x), x_of(2, 3, 4)),
   ("haiku", "BatchNorm.__call__"): haiku(

@@ -419,13 +419,18 @@ def _shard_map_rule(eqn, invals, env, ctx):
 
 
 def _linear_solve_rule(eqn, invals, env, ctx):
-  """Each of the solve's functions (matvec, solve, ...) maps vectors of ``b``'s declared dtype to
-  it, so the solution keeps that dtype, as a loop's carry does (an iterative solve is a loop)."""
+  """Each of the solve's functions (matvec, solve, ...) maps vectors of ``b``'s dtype to it: its
+  declared one, so the solution keeps it as a loop's carry does (an iterative solve is a loop),
+  or inside an op call (``jnp.linalg.solve`` as a float32 op) the one the op gave ``b``."""
   lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
   n_consts = sum(lengths)
-  b_dtypes = tuple(v.aval.dtype for v in eqn.invars[n_consts:])
-  invals = [*invals[:n_consts], *_match(invals[n_consts:], b_dtypes)]
+  if ctx.op is None:
+    invals = [
+      *invals[:n_consts],
+      *_match(invals[n_consts:], declared_dtypes(eqn.invars[n_consts:])),
+    ]
   b = invals[n_consts:]
+  b_dtypes = tuple(compat.typeof(v).dtype for v in b)
   new, start = [], 0
   for length, closed in zip(lengths, jaxprs, strict=True):
     consts = invals[start : start + length]

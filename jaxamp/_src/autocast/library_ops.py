@@ -161,7 +161,9 @@ LAZY_OPS = (
   ("flax.nnx", "RMSNorm.__call__", "rms_norm"),
   ("flax.nnx", "InstanceNorm.__call__", "instance_norm"),
   ("flax.nnx", "PReLU.__call__", "prelu"),
-  # Haiku
+  # Haiku; the init of every transform (hk.transform, transform_with_state, multi_transform)
+  # runs this closure, which creates the parameters and state
+  ("haiku._src.transform", "transform_with_state.<locals>.init_fn", "module_init"),
   ("haiku", "LayerNorm.__call__", "layer_norm"),
   ("haiku", "GroupNorm.__call__", "group_norm"),
   ("haiku", "BatchNorm.__call__", "batch_norm"),

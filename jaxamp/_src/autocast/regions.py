@@ -233,9 +233,11 @@ _library_codes: dict[types.CodeType, tuple[str, ...]] = {}
 _pending: dict[str, list[tuple[str, str, bool]]] = {}
 
 
-def code_of(fun: Callable) -> types.CodeType:
+def code_of(fun: Callable | types.CodeType) -> types.CodeType:
   """The code object a call of ``fun`` runs: through ``functools.wraps`` and ``jax.jit``
-  wrappers (``inspect.unwrap``), of the function of a method."""
+  wrappers (``inspect.unwrap``), of the function of a method; a code object is its own."""
+  if isinstance(fun, types.CodeType):
+    return fun
   inner = inspect.unwrap(fun)
   inner = getattr(inner, "__func__", inner)
   code = getattr(inner, "__code__", None)
@@ -277,11 +279,19 @@ def known_op_regions() -> frozenset[str]:
   return frozenset(name for *_, name in library_ops.LIBRARY_OPS) | set(_user_defaults)
 
 
-def resolve(module: str, path: str) -> Callable:
-  """The object at attribute ``path`` (``"LayerNorm.__call__"``) of imported ``module``."""
+def resolve(module: str, path: str) -> Callable | types.CodeType:
+  """The object at attribute ``path`` (``"LayerNorm.__call__"``) of imported ``module``; after
+  ``<locals>`` (``"transform_with_state.<locals>.init_fn"``), the code of that nested function,
+  which every closure it makes runs."""
   found = importlib.import_module(module)
-  for attribute in path.split("."):
+  attributes, _, local = path.partition(".<locals>.")
+  for attribute in attributes.split("."):
     found = getattr(found, attribute)
+  if local:
+    nested = (c for c in code_of(found).co_consts if isinstance(c, types.CodeType))
+    found = next((c for c in nested if c.co_qualname == f"{attributes}.<locals>.{local}"), None)
+    if found is None:
+      raise AttributeError(f"{module}.{attributes} defines no function {local!r}")
   return found
 
 
