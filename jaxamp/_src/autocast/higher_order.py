@@ -425,10 +425,7 @@ def _linear_solve_rule(eqn, invals, env, ctx):
   lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
   n_consts = sum(lengths)
   if ctx.op is None:
-    invals = [
-      *invals[:n_consts],
-      *_match(invals[n_consts:], declared_dtypes(eqn.invars[n_consts:])),
-    ]
+    invals = [*invals[:n_consts], *restore_carries(env, eqn.invars[n_consts:], invals[n_consts:])]
   b = invals[n_consts:]
   b_dtypes = tuple(compat.typeof(v).dtype for v in b)
   new, start = [], 0
