@@ -9,6 +9,7 @@ output in the low dtype.
 
 import equinox as eqx
 import flax.linen as nn
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import jaxpr_utils
@@ -199,6 +200,37 @@ def test_a_linen_vmapped_dense_ensemble_output_is_low(device_type, low):
   variables = ensemble.init(jax.random.key(8), PER_MEMBER_X)
   out = jaxamp.autocast(ensemble.apply, device_type=device_type)(variables, PER_MEMBER_X)
   assert out.dtype == low
+
+
+class _ValueHead(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(1)(nn.tanh(nn.Dense(16)(x)))
+
+
+@policies
+def test_an_ensembles_one_feature_head_keeps_its_bias_add_low_in_both_vmap_orders(
+  device_type, low
+):
+  # A critic ensemble (torch.func.vmap over F.linear): Dense(1)'s bias is one value per member.
+  head = _ValueHead()
+  stacked = jax.vmap(lambda k: head.init(k, XS))(jax.random.split(jax.random.key(9), ENSEMBLE))
+  apply = lambda p: head.apply(p, XS)
+  outside = jaxamp.autocast(jax.vmap(apply), device_type=device_type)(stacked)
+  inside = jax.vmap(jaxamp.autocast(apply, device_type=device_type))(stacked)
+  assert outside.dtype == inside.dtype == low
+  assert jnp.array_equal(outside, inside)
+
+
+@policies
+@pytest.mark.slow
+def test_a_haiku_critic_ensemble_keeps_its_value_heads_low(device_type, low):
+  critic = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([16, 1])(x)))
+  stacked = jax.vmap(lambda k: critic.init(k, XS))(jax.random.split(jax.random.key(10), ENSEMBLE))
+  ensemble = jax.vmap(lambda p: critic.apply(p, XS))
+  out = jaxamp.autocast(ensemble, device_type=device_type)(stacked)
+  assert out.dtype == low
+  assert jnp.allclose(out.astype(jnp.float32), ensemble(stacked), rtol=2e-2, atol=5e-2)
 
 
 @policies

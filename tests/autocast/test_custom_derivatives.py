@@ -365,6 +365,54 @@ def test_a_backward_of_its_own_still_runs_as_written():
   assert [ins for ins, _ in dots].count((jnp.float16, jnp.float16)) == 1  # the forward's
 
 
+EPS = 0.05
+
+
+@jax.custom_vjp
+def smooth_max(a):
+  """z with sum(exp((a * a - z) / EPS)) == 1, by fixed-point steps on a float32 carry."""
+  c = a * a
+  return jax.lax.fori_loop(0, 3, lambda i, z: z + EPS * jax.nn.logsumexp((c - z) / EPS), 0.0)
+
+
+def _smooth_max_bwd(saved, g):
+  a, z = saved  # implicit differentiation: p sums to one where a * a is the forward's
+  return (g * jnp.exp((a * a - z) / EPS) * 2 * a,)
+
+
+smooth_max.defvjp(lambda a: (smooth_max(a), (a, smooth_max(a))), _smooth_max_bwd)
+
+
+def implicit_loss(w, x):
+  return smooth_max(x @ w)
+
+
+IMPLICIT_X = jnp.linspace(-1.0, 1.0, 32).reshape(16, 2)
+IMPLICIT_W = jnp.array([[1.7, -0.4], [0.9, 2.2]])
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_a_backward_recomputing_from_residuals_computes_in_the_dtypes_they_were_saved_in(
+  device_type,
+):
+  """torch runs a custom backward on the tensors its forward saved (bfloat16 ``a``), so an
+  implicit gradient recomputes ``a * a`` as the forward did. Upcast to float32 residuals, the
+  recomputation disagreed with the forward's solution (a 59% error under "cpu")."""
+  amp = jaxamp.autocast(implicit_loss, device_type=device_type)
+  grad = jax.jit(jax.grad(amp))(IMPLICIT_W, IMPLICIT_X)
+  whole = jax.jit(jaxamp.autocast(jax.grad(implicit_loss), device_type=device_type))
+  reference = jax.grad(implicit_loss)(IMPLICIT_W, IMPLICIT_X)
+  np.testing.assert_allclose(grad, whole(IMPLICIT_W, IMPLICIT_X), rtol=5e-3)
+  np.testing.assert_allclose(grad, reference, rtol=1e-2, atol=1e-2)
+
+
+def test_a_backward_runs_on_its_residuals_as_saved_with_autocast_off():
+  """The bwd's own ``a * a`` on the float16 ``a`` the forward saved is float16 (autocast off:
+  an op that no list names runs in its inputs' dtype, as torch's does)."""
+  jaxpr = jaxpr_utils.traced(jax.grad(cuda(implicit_loss)), IMPLICIT_W, IMPLICIT_X)
+  assert jnp.dtype(jnp.float16) in jaxpr_utils.float_dtypes_of(jaxpr, "exp")
+
+
 # --- diffrax -------------------------------------------------------------------------------------
 
 

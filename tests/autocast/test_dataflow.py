@@ -363,19 +363,26 @@ def test_a_convs_output_features_come_from_the_kernel():
 
 
 def test_a_bias_varies_along_one_operands_free_dims_only():
-  out = (BATCH, LHS, RHS)
-  assert dataflow.is_bias_of(out, (NOWHERE, NOWHERE, OWN))
-  assert dataflow.is_bias_of(out, (NOWHERE, OWN, NOWHERE))
-  assert dataflow.is_bias_of(out, (NOWHERE, NOWHERE, NOWHERE))  # a scalar
-  assert not dataflow.is_bias_of(out, (NOWHERE, OWN, OWN))  # a mask over queries and keys
-  assert not dataflow.is_bias_of(out, (OWN, NOWHERE, OWN))  # a mask over the batch
-  assert not dataflow.is_bias_of((OTHER, RHS), (OWN, OWN))  # a conv bias over the batch
+  out, shape = (BATCH, LHS, RHS), (2, 5, 6)
+  assert dataflow.is_bias_of(out, (NOWHERE, NOWHERE, OWN), shape)
+  assert dataflow.is_bias_of(out, (NOWHERE, OWN, NOWHERE), shape)
+  assert dataflow.is_bias_of(out, (NOWHERE, NOWHERE, NOWHERE), shape)  # a scalar
+  assert not dataflow.is_bias_of(out, (NOWHERE, OWN, OWN), shape)  # a mask over queries and keys
+  assert not dataflow.is_bias_of(out, (OWN, NOWHERE, OWN), shape)  # a mask over the batch
+  assert not dataflow.is_bias_of((OTHER, RHS), (OWN, OWN), (5, 6))  # a conv bias over the batch
 
 
 def test_an_ensembles_bias_varies_along_the_batch_dims_its_stacked_weight_brings():
-  out = (STACKED_RHS, LHS, RHS)  # vmap(lambda w, b, x: x @ w + b): w is passed in
-  assert dataflow.is_bias_of(out, (OWN, NOWHERE, OWN))
-  assert not dataflow.is_bias_of(out, (OWN, OWN, NOWHERE))  # along the inputs' rows
-  assert not dataflow.is_bias_of(out, (OWN, NOWHERE, NOWHERE))  # a scalar per member
+  out, shape = (STACKED_RHS, LHS, RHS), (3, 5, 6)  # vmap(lambda w, b, x: x @ w + b), w passed in
+  assert dataflow.is_bias_of(out, (OWN, NOWHERE, OWN), shape)
+  assert not dataflow.is_bias_of(out, (OWN, OWN, NOWHERE), shape)  # along the inputs' rows
+  assert not dataflow.is_bias_of(out, (OWN, NOWHERE, NOWHERE), shape)  # a scalar per member
   # vmapped attention: a padding mask over the batch and the keys of computed k is no bias
-  assert not dataflow.is_bias_of((BATCH, LHS, RHS), (OWN, NOWHERE, OWN))
+  assert not dataflow.is_bias_of((BATCH, LHS, RHS), (OWN, NOWHERE, OWN), shape)
+
+
+def test_the_bias_of_an_ensembles_one_feature_layer_is_one_value_per_member():
+  out = (STACKED_RHS, LHS, RHS)  # a stack of value heads, Dense(1): one output feature each
+  assert dataflow.is_bias_of(out, (OWN, NOWHERE, NOWHERE), (3, 5, 1))
+  assert not dataflow.is_bias_of(out, (OWN, OWN, NOWHERE), (3, 5, 1))  # along the inputs' rows
+  assert not dataflow.is_bias_of((BATCH, LHS, RHS), (OWN, NOWHERE, NOWHERE), (3, 5, 1))

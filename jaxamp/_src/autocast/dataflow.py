@@ -9,7 +9,7 @@ its body does with them (``activation_reads``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -109,7 +109,8 @@ class Provenance:
     fills: var -> the ``broadcast_in_dim`` of a literal that made it (remade in any dtype).
     likes: fills made by ``zeros_like`` & co, in the dtype of their prototype (``is_like``).
     masks: outputs of calls (a jit, a remat) that are boolean arrays converted to floats
-      inside (``jax.nn.one_hot``), for ``is_discrete``.
+      inside (``jax.nn.one_hot``), and a body's invars that receive converted booleans or
+      integers from outside, for ``is_discrete``.
     promoted: integer arrays jnp converted to a float to compute with one (its implicit
       promotion, not an ``astype``), and their layout changes, for ``is_discrete``.
     dims: var -> what each of its dims varies along (``Dims``), for layout changes and
@@ -312,19 +313,29 @@ class Provenance:
     return facts
 
 
-def is_bias_of(out: Dims, bias: Dims) -> bool:
-  """Whether an addend varying along ``bias``'s dims is the bias of the matmul output ``out``:
-  it varies along the free dims of one operand at most, as a linear or conv bias varies along
-  the weight's output features only, and along the dot's batch dims only where that operand is
-  a stack of weights passed in (a vmapped ensemble of linear layers, each with its bias). An
-  addend with batch or sequence extent (an attention mask over queries and keys, a padding mask
-  over the keys of computed ones, a positional embedding) is not a bias."""
+def is_bias_of(out: Dims, bias: Dims, shape: Sequence[int]) -> bool:
+  """Whether an addend varying along ``bias``'s dims is the bias of the matmul output ``out``
+  (of ``shape``): it varies along the free dims of one operand at most, as a linear or conv
+  bias varies along the weight's output features only, and along the dot's batch dims only
+  where that operand is a stack of weights passed in (a vmapped ensemble of linear layers, each
+  with its bias). An addend with batch or sequence extent (an attention mask over queries and
+  keys, a padding mask over the keys of computed ones, a positional embedding) is not a bias."""
   origins = frozenset().union(*(o for o, b in zip(out, bias, strict=True) if b))
   free = origins - {BATCH, *STACKED.values()}
   if BATCH not in origins:
     return any(free <= {side} for side in STACKED)
-  # Each member's bias varies along its weight's output features (a per-example scalar does not).
-  return any(free == {side} and STACKED[side] in origins for side in STACKED)
+  # Each member's bias varies along its weight's output features (a per-member scalar added to
+  # a bmm does not), so a weight with one output feature (an ensemble's value head) has one
+  # value per member as its bias.
+  return any(
+    STACKED[side] in origins and (free == {side} or not free and _one_feature(out, shape, side))
+    for side in STACKED
+  )
+
+
+def _one_feature(out: Dims, shape: Sequence[int], side: str) -> bool:
+  """Whether the dims of ``out`` that vary along ``side``'s free dims are all of size one."""
+  return all(size == 1 for dims, size in zip(out, shape, strict=True) if side in dims)
 
 
 def matmul_dims(eqn, passed_in: list[bool]) -> Dims:

@@ -65,6 +65,12 @@ def weak_inputs(atoms, env: Env) -> list[bool]:
   return [not compat.is_literal(a) and env.facts.is_weak(a) for a in atoms]
 
 
+def discrete_inputs(atoms, env: Env) -> list[bool]:
+  """Which of ``atoms`` are converted booleans or integers outside (``Provenance.is_discrete``):
+  inside, they follow their partner as outside (a one-hot passed into a ``custom_jvp``)."""
+  return [not compat.is_literal(a) and env.facts.is_discrete(a) for a in atoms]
+
+
 def _weak_flags(avals) -> tuple[bool, ...]:
   """Which of a body's invars are weak: those ``body_avals`` typed weakly."""
   return tuple(bool(getattr(aval, "weak_type", False)) for aval in avals)
@@ -105,6 +111,7 @@ def rewrite(
   path: str = "",
   computed: tuple[bool, ...] = (),
   constants: tuple = (),
+  discrete: tuple[bool, ...] = (),
 ) -> tuple[compat.ClosedJaxpr, tuple]:
   """``jaxpr`` rewritten for ``in_avals`` under ``ctx``, and the casts hoisted out of it.
 
@@ -117,6 +124,7 @@ def rewrite(
       after the ``hoist`` invariants), to be computed once outside the loop.
     computed: which invars are activations computed outside (``evaluate``'s argument).
     constants: the values of invars known while tracing (``known_constants``).
+    discrete: which invars receive converted booleans or integers (``discrete_inputs``).
   """
   # Consts by id: a cached rewrite holds the consts it uses, so their ids stay theirs meanwhile.
   key = (
@@ -129,6 +137,7 @@ def rewrite(
     hoist,
     computed,
     constants,
+    discrete,
   )
   recording = context.current_recorder() is not None
   hit = None if recording else _rewrites.get(key)
@@ -142,7 +151,7 @@ def rewrite(
     )
     compat.trace(
       lambda *args: evaluate_body(
-        jaxpr, consts, args, ctx, discovery, out_dtypes, computed, constants, weak
+        jaxpr, consts, args, ctx, discovery, out_dtypes, computed, constants, weak, discrete
       ),
       in_avals,
     )
@@ -160,7 +169,9 @@ def rewrite(
     }
     env = Env(ctx, path, casts=casting.CastCache(precast=precast))
     args = (*invariants, *rest)
-    return evaluate_body(jaxpr, consts, args, ctx, env, out_dtypes, computed, constants, weak)
+    return evaluate_body(
+      jaxpr, consts, args, ctx, env, out_dtypes, computed, constants, weak, discrete
+    )
 
   closed = compat.trace(body, (*in_avals[:hoist], *extra_avals, *in_avals[hoist:]))
   if recording:
@@ -179,11 +190,20 @@ def evaluate_body(
   computed=(),
   constants=(),
   weak=(),
+  discrete=(),
 ) -> list:
   """``jaxpr`` evaluated by the interpreter in ``env``, its outputs cast to ``out_dtypes`` (None
   entries, or None: as they come)."""
   outs = evaluate(
-    jaxpr, consts, args, ctx, env=env, computed=computed, constants=constants, weak=weak
+    jaxpr,
+    consts,
+    args,
+    ctx,
+    env=env,
+    computed=computed,
+    constants=constants,
+    weak=weak,
+    discrete=discrete,
   )
   if out_dtypes is None:
     return outs
@@ -223,11 +243,14 @@ class BodyInputs(NamedTuple):
       by the body itself.
     weak: which inputs follow their partner's dtype outside (fills and Python scalars,
       ``weak_inputs``): they stay weak inside. Loop carries never do.
+    discrete: which inputs are converted booleans or integers outside (``discrete_inputs``):
+      they follow their partner inside too. Loop carries never do.
   """
 
   values: list
   computed: tuple[bool, ...]
   weak: tuple[bool, ...]
+  discrete: tuple[bool, ...]
 
 
 def _carries(eqn) -> slice | None:
@@ -244,13 +267,13 @@ def body_inputs(eqn, invals: Sequence[Any], env: Env) -> BodyInputs:
   """The ``BodyInputs`` of ``eqn`` on ``invals``: one definition for rewriting its bodies and
   for evaluating them eagerly (``precision_report``)."""
   values, computed = list(invals), list(computed_inputs(env, eqn.invars))
-  weak = weak_inputs(eqn.invars, env)
+  weak, discrete = weak_inputs(eqn.invars, env), discrete_inputs(eqn.invars, env)
   carries = _carries(eqn)
   if carries is not None:
     values[carries] = restore_carries(env, eqn.invars[carries], values[carries])
     computed[carries] = [True] * len(values[carries])
-    weak[carries] = [False] * len(values[carries])
-  return BodyInputs(values, tuple(computed), tuple(weak))
+    weak[carries] = discrete[carries] = [False] * len(values[carries])
+  return BodyInputs(values, tuple(computed), tuple(weak), tuple(discrete))
 
 
 def _rewrite_call(closed, eqn, invals, env, ctx):
@@ -264,6 +287,7 @@ def _rewrite_call(closed, eqn, invals, env, ctx):
     path=sub_path(env.path, eqn),
     computed=inputs.computed,
     constants=known_constants(eqn.invars),
+    discrete=inputs.discrete,
   )
   return new
 
@@ -294,6 +318,7 @@ def _remat_rule(eqn, invals, env, ctx):
     ctx,
     path=sub_path(env.path, eqn),
     computed=inputs.computed,
+    discrete=inputs.discrete,
   )
   body, consts = compat.open_jaxpr(new)
   prevent_cse = eqn.params["prevent_cse"]
@@ -325,6 +350,7 @@ def _scan_rule(eqn, invals, env, ctx):
     hoist=n_consts,
     path=sub_path(env.path, eqn),
     computed=inputs.computed,
+    discrete=inputs.discrete,
   )
   extras = [env.cast(eqn.invars[i], dtype) for i, dtype in hoisted]
   new_params = dict(params, jaxpr=new, num_consts=n_consts + len(extras))
@@ -360,6 +386,7 @@ def _while_rule(eqn, invals, env, ctx):
     hoist=n_body,
     path=sub_path(env.path, eqn, "body"),
     computed=inputs.computed[n_cond:],
+    discrete=inputs.discrete[n_cond:],
   )
   extras = [env.cast(eqn.invars[n_cond + i], dtype) for i, dtype in hoisted]
   new_params = dict(
@@ -375,7 +402,8 @@ def _cond_rule(eqn, invals, env, ctx):
   branches = eqn.params["branches"]
   operands = invals[1:]
   inputs = body_inputs(eqn, invals, env)
-  computed, weak = inputs.computed[1:], inputs.weak[1:]  # the index is not an operand
+  # The index is not an operand.
+  computed, weak, discrete = inputs.computed[1:], inputs.weak[1:], inputs.discrete[1:]
 
   def rewritten(index: int, out_dtypes: tuple | None) -> compat.ClosedJaxpr:
     branch = branches[index]
@@ -387,6 +415,7 @@ def _cond_rule(eqn, invals, env, ctx):
       out_dtypes,
       path=sub_path(env.path, eqn, f"branch{index}"),
       computed=computed,
+      discrete=discrete,
     )[0]
 
   taken = compat.platform_branch(eqn)
@@ -406,9 +435,11 @@ def _shard_map_rule(eqn, invals, env, ctx):
   params = eqn.params
   body = params["jaxpr"]
   path = sub_path(env.path, eqn)
-  weak = weak_inputs(eqn.invars, env)
+  weak, discrete = weak_inputs(eqn.invars, env), discrete_inputs(eqn.invars, env)
   mapped = jax.shard_map(
-    lambda *args: tuple(evaluate(body, (), args, ctx, path=path, weak=weak)),
+    lambda *args: tuple(
+      evaluate(body, (), args, ctx, path=path, weak=weak, discrete=discrete)
+    ),
     mesh=params["mesh"],
     in_specs=params["in_specs"],
     out_specs=params["out_specs"],
@@ -431,7 +462,9 @@ def _linear_solve_rule(eqn, invals, env, ctx):
   new, start = [], 0
   for length, closed in zip(lengths, jaxprs, strict=True):
     consts = invals[start : start + length]
-    weak = weak_inputs(eqn.invars[start : start + length], env) + [False] * len(b)
+    atoms = eqn.invars[start : start + length]
+    weak = weak_inputs(atoms, env) + [False] * len(b)
+    discrete = tuple(discrete_inputs(atoms, env) + [False] * len(b))
     start += length
     if closed is None:
       new.append(None)
@@ -444,6 +477,7 @@ def _linear_solve_rule(eqn, invals, env, ctx):
         ctx,
         b_dtypes,
         path=sub_path(env.path, eqn),
+        discrete=discrete,
       )[0]
     )
   return compat.bind(eqn, invals, dict(eqn.params, jaxprs=type(jaxprs)(*new)))
@@ -489,6 +523,7 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
   rule = compat.custom_jvp_rule(eqn)
   path = sub_path(env.path, eqn, "jvp")
   primals_weak = weak_inputs(eqn.invars[num_consts:], env)
+  primals_discrete = discrete_inputs(eqn.invars[num_consts:], env)
   rule_ctx = ctx._replace(policy=ctx.policy.without_float8())
 
   @jax.custom_jvp
@@ -509,7 +544,14 @@ def _custom_jvp_rule(eqn, invals, env, ctx):
     # Tangents are computed values: cast as such (never clipped), the rule stays linear in them.
     computed = (False,) * len(primals) + (True,) * len(nonzero)
     outs = evaluate(
-      jaxpr, consts, [*primals, *nonzero], rule_ctx, path=path, computed=computed, weak=primals_weak
+      jaxpr,
+      consts,
+      [*primals, *nonzero],
+      rule_ctx,
+      path=path,
+      computed=computed,
+      weak=primals_weak,
+      discrete=primals_discrete,
     )
     outs, nonzero_out = outs[:n], outs[n:]
     outs = _match(outs, out_dtypes)
@@ -598,9 +640,10 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
   sees_zeros = eqn.params["symbolic_zeros"]
   fwd_jaxpr, split, bwd = compat.custom_vjp_rules(eqn)
   invals, ctx = _enter_custom_fwd(eqn, invals, env, ctx, fwd_jaxpr)
-  # In a custom_fwd(cast_inputs=...) region, as in torch, the backward (custom_bwd or not) runs
-  # with autocast off on what the forward saved and cotangents in the outputs' dtypes; elsewhere
-  # on residuals and cotangents in their traced dtypes, custom_bwd under the forward's policy.
+  # The backward runs on what the forward saved and cotangents in the outputs' dtypes, as torch's
+  # does: in a custom_fwd(cast_inputs=...) region (custom_bwd or not) with autocast off; elsewhere
+  # traced for the residuals' and cotangents' traced dtypes and evaluated natively on the values
+  # as they come (recomputations of the forward autocast), custom_bwd under the forward's policy.
   as_saved = ctx.op is not None and ctx.op.cast_to is not None
   bwd_policy = None if as_saved else ctx.policy
   body, out_dtypes = _autocast_primal(eqn, invals, env, ctx)
@@ -608,6 +651,7 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
   in_avals = [compat.typeof(v) for v in invals]
   path = sub_path(env.path, eqn, "fwd")
   fwd_weak = weak_inputs(eqn.invars[num_consts:], env)
+  fwd_discrete = discrete_inputs(eqn.invars[num_consts:], env)
   bwd_path = sub_path(env.path, eqn, "bwd")
 
   @jax.custom_vjp
@@ -619,7 +663,9 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
       raise compat.closed_over_perturbed()  # as JAX does, rather than a zero gradient
     values = [x.value for x in xs]
     jaxpr, consts = fwd_jaxpr(tuple(x.perturbed for x in xs[num_consts:]))
-    res_and_outs = evaluate(jaxpr, consts, values[num_consts:], ctx, path=path, weak=fwd_weak)
+    res_and_outs = evaluate(
+      jaxpr, consts, values[num_consts:], ctx, path=path, weak=fwd_weak, discrete=fwd_discrete
+    )
     residuals, residual_dtypes, outs = split(jaxpr, res_and_outs, values)
     # The dtypes bwd expects, as zero-size arrays: they depend on the flags fwd ran with.
     expected = () if as_saved else tuple(map(_dtype_marker, residual_dtypes))
@@ -633,9 +679,13 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
 
   def autocast_bwd(saved, cts):
     residuals, expected = saved
-    if not as_saved:
-      residuals = _match(list(residuals), [compat.typeof(m).dtype for m in expected])
-    cts = [cotangent(ct, aval) for ct, aval in zip(cts, ct_avals, strict=True)]
+    if as_saved:
+      cts = [cotangent(ct, aval) for ct, aval in zip(cts, ct_avals, strict=True)]
+    else:  # zeros instantiated as traced, the rest as they come
+      cts = [
+        cotangent(ct, aval) if compat.is_symbolic_zero(ct) else ct
+        for ct, aval in zip(cts, ct_avals, strict=True)
+      ]
     token = _backward_policy.set(bwd_policy)
     try:
       args = [*residuals, *cts]
@@ -643,7 +693,8 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
         in_cts = bwd(*args)
       else:  # the forward's sites, found once the backward runs: none without differentiation
         forward = ctx._replace(recomputed=_sites(eqn.params["call_jaxpr"].jaxpr))
-        in_cts = _backward(bwd, args, forward, bwd_path)
+        traced = [*(compat.typeof(m).dtype for m in expected), *(a.dtype for a in ct_avals)]
+        in_cts = _backward(bwd, args, traced, forward, bwd_path)
     finally:
       _backward_policy.reset(token)
     # No cotangent (a symbolic zero) for consts, as in JAX, nor where bwd gives none.
@@ -687,15 +738,18 @@ def _custom_vmap_rule(eqn, invals, env, ctx):
   return list(autocast_fun(*invals))
 
 
-def _backward(bwd: Callable, args: list, ctx: Context, path: str) -> list:
-  """``bwd(*args)``, a custom_vjp's backward, where the eqns that recompute its forward (traced
-  from the forward's sites, ``ctx.recomputed``) run autocast as the forward did, and the rest as
-  written. torch.utils.checkpoint recomputes a forward under the autocast state it ran in, and
-  runs a custom backward without one: Equinox's checkpointed loops (diffrax's default adjoint)
-  recompute their body in the backward, and a float32 recomputation of a float16 forward takes
-  other steps, so the gradient is of another function. ``bwd`` is traced once; without a
-  recomputation its jaxpr is evaluated as it is."""
-  dynamic = [i for i, x in enumerate(args) if isinstance(x, jax.core.Tracer)]
+def _backward(bwd: Callable, args: list, traced: list, ctx: Context, path: str) -> list:
+  """``bwd(*args)``, a custom_vjp's backward, traced for ``args`` in their ``traced`` dtypes and
+  evaluated on them as they come: the eqns that recompute its forward (traced from the forward's
+  sites, ``ctx.recomputed``) run autocast as the forward did, and the rest natively on what they
+  are given (``rules.kept`` in a backward), as torch runs a custom backward on the tensors its
+  forward saved, with autocast off. torch.utils.checkpoint recomputes a forward under the
+  autocast state it ran in: Equinox's checkpointed loops (diffrax's default adjoint) recompute
+  their body in the backward, and a float32 recomputation of a float16 forward takes other
+  steps, so the gradient is of another function. A backward that recomputes forward quantities
+  from the residuals in its own code (implicit differentiation: ott's Sinkhorn) computes them in
+  the dtypes the forward saved, as the forward did."""
+  dynamic = [i for i, x in enumerate(args) if isinstance(x, jax.Array)]
   outs_of_bwd = []
 
   def traced_bwd(*values):
@@ -706,13 +760,16 @@ def _backward(bwd: Callable, args: list, ctx: Context, path: str) -> list:
     outs_of_bwd.append(outs)
     return [out for out in outs if _is_array_ct(out)]
 
-  closed = compat.trace(traced_bwd, [compat.typeof(args[i]) for i in dynamic])
-  values = [args[i] for i in dynamic]
-  if _has_site(closed.jaxpr, ctx.recomputed):
-    computed = iter(evaluate(closed.jaxpr, closed.consts, values, ctx, path=path))
-  else:
-    computed = iter(compat.jaxpr_as_fun(closed)(*values))
+  avals = [_traced_aval(compat.typeof(args[i]), traced[i]) for i in dynamic]
+  closed = compat.trace(traced_bwd, avals)
+  computed = iter(evaluate(closed.jaxpr, closed.consts, [args[i] for i in dynamic], ctx, path=path))
   return [next(computed) if _is_array_ct(out) else out for out in outs_of_bwd[0]]
+
+
+def _traced_aval(aval, dtype):
+  """``aval`` with the traced ``dtype`` where both are floating (other values keep theirs)."""
+  floating = jnp.issubdtype(aval.dtype, jnp.inexact) and jnp.issubdtype(dtype, jnp.inexact)
+  return compat.aval_with_dtype(aval, dtype) if floating else aval
 
 
 def _is_array_ct(ct) -> bool:
@@ -863,6 +920,8 @@ def eager_body_rules(
           computed = tuple(given.computed[i] for i in inputs)
           weak = (v for v, i in zip(body.invars, inputs, strict=True) if given.weak[i])
           inner.facts.weak.update(weak)
+          masks = (v for v, i in zip(body.invars, inputs, strict=True) if given.discrete[i])
+          inner.facts.masks.update(masks)
         with entered(eqn, step):
           return evaluate_body(body, consts, args, ctx, inner, out_dtypes, computed)
 

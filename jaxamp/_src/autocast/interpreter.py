@@ -39,13 +39,15 @@ def evaluate(
   computed: Sequence[bool] = (),
   constants: Sequence[Any] = (),
   weak: Sequence[bool] = (),
+  discrete: Sequence[bool] = (),
 ) -> list[Any]:
   """Evaluates ``jaxpr`` on ``args`` in the current trace, casting as ``ctx``'s policy says.
 
   ``computed`` flags the invars that are activations computed outside (the others, like the
   constvars, are parameters or constants, unless the jaxpr itself reads them as activations);
   ``constants`` gives the values of invars known while tracing (Python scalars; None if not);
-  ``weak`` flags the invars that follow their partner's dtype outside (fills, scalars).
+  ``weak`` flags the invars that follow their partner's dtype outside (fills, scalars);
+  ``discrete`` those that receive converted booleans or integers (``Provenance.is_discrete``).
   """
   env = env if env is not None else Env(ctx, path)
   inherited = ctx.op.instance if ctx.op is not None else None
@@ -57,6 +59,7 @@ def evaluate(
     env.region[var] = inherited
   env.facts.computed.update(var for var, flag in zip(jaxpr.invars, computed, strict=False) if flag)
   env.facts.weak.update(var for var, flag in zip(jaxpr.invars, weak, strict=False) if flag)
+  env.facts.masks.update(var for var, flag in zip(jaxpr.invars, discrete, strict=False) if flag)
   env.facts.constants.update(
     (var, value) for var, value in zip(jaxpr.invars, constants, strict=False) if value is not None
   )

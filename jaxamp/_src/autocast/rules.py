@@ -275,8 +275,14 @@ def _variant(eqn) -> str | None:
 
 
 def kept(eqn, env: Env, ctx: Context) -> Applied:
-  """A kept region's eqn runs as written: on its inputs in their traced dtypes."""
-  return _bind_traced(eqn, env, Ruling(Decider.KEPT))
+  """A kept region's eqn runs as written: on its inputs in their traced dtypes. In a
+  custom_vjp's backward (``ctx.recomputed``), natively on its inputs as they come (what the
+  forward saved, cotangents in the outputs' dtypes), as torch runs a custom ``backward`` with
+  autocast off: what it recomputes from the residuals it computes as the forward did."""
+  if ctx.recomputed is None or keeps_dtypes(eqn):
+    return _bind_traced(eqn, env, Ruling(Decider.KEPT))
+  outs, ran_on = bind_native(eqn, env, [env.read(a) for a in eqn.invars])
+  return Applied(outs, Ruling(Decider.KEPT), ran_on)
 
 
 def traced_dtypes(eqn, env: Env, ctx: Context) -> Applied:
@@ -357,7 +363,7 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
     if (
       out in facts.lowered
       and facts.is_parameter(bias)
-      and dataflow.is_bias_of(facts.dims_of(out), facts.dims_of(bias))
+      and dataflow.is_bias_of(facts.dims_of(out), facts.dims_of(bias), out.aval.shape)
     ):
       out_dtype, bias_dtype = env.dtype(out), env.dtype(bias)
       if out_dtype != bias_dtype and casting.is_eligible(bias_dtype):
