@@ -209,9 +209,7 @@ class _ValueHead(nn.Module):
 
 
 @policies
-def test_an_ensembles_one_feature_head_keeps_its_bias_add_low_in_both_vmap_orders(
-  device_type, low
-):
+def test_an_ensembles_one_feature_head_keeps_its_bias_add_low_in_both_vmap_orders(device_type, low):
   # A critic ensemble (torch.func.vmap over F.linear): Dense(1)'s bias is one value per member.
   head = _ValueHead()
   stacked = jax.vmap(lambda k: head.init(k, XS))(jax.random.split(jax.random.key(9), ENSEMBLE))

@@ -413,6 +413,37 @@ def test_a_backward_runs_on_its_residuals_as_saved_with_autocast_off():
   assert jnp.dtype(jnp.float16) in jaxpr_utils.float_dtypes_of(jaxpr, "exp")
 
 
+BACKWARD_LINALG = {
+  "inv": lambda a, g: g * jnp.linalg.inv(a).T,
+  "cholesky": lambda a, g: g * jnp.linalg.cholesky(a @ a.T + jnp.eye(a.shape[0])),
+  "eigh": lambda a, g: g * jnp.linalg.eigh(a + a.T)[1],
+  "rfft": lambda a, g: g * jnp.abs(jnp.fft.irfft(jnp.fft.rfft(a), a.shape[-1])),
+}
+
+
+@pytest.mark.parametrize("op", list(BACKWARD_LINALG))
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_a_backwards_linear_algebra_on_a_16_bit_residual_runs_in_float32(op, device_type):
+  """A custom logdet (Gaussian-process code) whose backward inverts the matrix its forward saved:
+  linear algebra and FFTs have no 16-bit kernels and run in float32, as in the forward."""
+
+  @jax.custom_vjp
+  def logdet(a):
+    return jnp.linalg.slogdet(a)[1]
+
+  logdet.defvjp(lambda a: (logdet(a), a), lambda a, g: (BACKWARD_LINALG[op](a, g),))
+
+  def nll(w, x):
+    z = x @ w
+    return logdet(z @ z.T + 0.1)  # a 16-bit residual: the matmul's output
+
+  w = jax.random.normal(jax.random.key(5), (8, 8)) / 3
+  x = jax.random.normal(jax.random.key(6), (6, 8))
+  grad = jax.jit(jax.grad(jaxamp.autocast(nll, device_type=device_type)))(w, x)
+  assert grad.dtype == jnp.float32
+  assert jnp.isfinite(grad).all()
+
+
 # --- diffrax -------------------------------------------------------------------------------------
 
 

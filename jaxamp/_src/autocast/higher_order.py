@@ -437,9 +437,7 @@ def _shard_map_rule(eqn, invals, env, ctx):
   path = sub_path(env.path, eqn)
   weak, discrete = weak_inputs(eqn.invars, env), discrete_inputs(eqn.invars, env)
   mapped = jax.shard_map(
-    lambda *args: tuple(
-      evaluate(body, (), args, ctx, path=path, weak=weak, discrete=discrete)
-    ),
+    lambda *args: tuple(evaluate(body, (), args, ctx, path=path, weak=weak, discrete=discrete)),
     mesh=params["mesh"],
     in_specs=params["in_specs"],
     out_specs=params["out_specs"],

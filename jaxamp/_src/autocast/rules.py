@@ -278,10 +278,15 @@ def kept(eqn, env: Env, ctx: Context) -> Applied:
   """A kept region's eqn runs as written: on its inputs in their traced dtypes. In a
   custom_vjp's backward (``ctx.recomputed``), natively on its inputs as they come (what the
   forward saved, cotangents in the outputs' dtypes), as torch runs a custom ``backward`` with
-  autocast off: what it recomputes from the residuals it computes as the forward did."""
+  autocast off: what it recomputes from the residuals it computes as the forward did. Linear
+  algebra and FFTs, which have no 16-bit kernels, run in float32 there as everywhere."""
   if ctx.recomputed is None or keeps_dtypes(eqn):
     return _bind_traced(eqn, env, Ruling(Decider.KEPT))
-  outs, ran_on = bind_native(eqn, env, [env.read(a) for a in eqn.invars])
+  if eqn.primitive in NO_16_BIT_KERNELS:
+    invals = cast_inputs(Category.FLOAT32, eqn, env, ctx.policy)
+  else:
+    invals = [env.read(a) for a in eqn.invars]
+  outs, ran_on = bind_native(eqn, env, invals)
   return Applied(outs, Ruling(Decider.KEPT), ran_on)
 
 
