@@ -792,14 +792,6 @@ def _sites(jaxpr) -> frozenset:
   return sites
 
 
-def _has_site(jaxpr, sites: frozenset) -> bool:
-  """Whether an eqn of ``jaxpr`` or its bodies was traced from one of ``sites``."""
-  return any(
-    regions.site_of(eqn) in sites or any(_has_site(body, sites) for body in compat.sub_jaxprs(eqn))
-    for eqn in jaxpr.eqns
-  )
-
-
 def _dtype_marker(dtype) -> jax.Array:
   """A zero-size array that carries ``dtype`` from ``fwd`` to ``bwd`` (a residual's leaves are
   arrays); a dtype autocast never casts to is carried as bool."""
