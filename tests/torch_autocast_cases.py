@@ -1275,6 +1275,21 @@ def _elementwise_function_cases() -> list[dict[str, Any]]:
   ]
 
 
+def _summed_size_one_cases() -> list[dict[str, Any]]:
+  # torch's composite einsum takes a summed index of size one as a broadcast: a mul, unlisted.
+  return [
+    case(
+      "einsum_summing_an_index_of_size_one",
+      "torch.einsum('bi,ik->bk', torch.mm(a, b)[:, :1], w)",
+      "unlisted",
+      "mul",
+      a=A,
+      b=B,
+      w=inp("normal", 1, 6),
+    ),
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
@@ -1291,6 +1306,7 @@ def all_cases() -> list[dict[str, Any]]:
     + _operand_kind_cases()
     + _dimension_count_cases()
     + _elementwise_function_cases()
+    + _summed_size_one_cases()
   )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}

@@ -409,6 +409,7 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   "mm_plus_twice_zeros_like": lambda a, b: (a @ b) + 2 * jnp.zeros_like(a @ b),
   "mm_sum_over_float_lengths": lambda a, b, n: (a @ b).sum(1) / n.astype(jnp.float32),
   "einsum_without_a_summed_index": lambda a, b, v: jnp.einsum("ij,j->ij", a @ b, v),
+  "einsum_summing_an_index_of_size_one": lambda a, b, w: jnp.einsum("bi,ik->bk", (a @ b)[:, :1], w),
   "cat_slice_of_zeros_like": lambda a, b: jnp.concatenate([jnp.zeros_like(a @ b)[:1], (a @ b)[1:]]),
   "logaddexp": jnp.logaddexp,
   "logaddexp2": jnp.logaddexp2,
@@ -510,7 +511,7 @@ DIRECT_UNSUPPORTED: dict[str, str] = {
 
 def _lowered(x: jax.Array) -> jax.Array:
   """``x`` through an exact dot: float32 when traced, the autocast dtype when run."""
-  return jnp.einsum("...i,ij->...j", x[..., None], jnp.ones((1, 1), x.dtype))[..., 0]
+  return jnp.matmul(x[..., None], jnp.ones((1, 1), x.dtype))[..., 0]  # a matmul, not a mul
 
 
 def counterpart(label: str) -> tuple[dict, Callable[..., jax.Array]]:

@@ -247,6 +247,14 @@ EINSUM_CODES = frozenset({inspect.unwrap(jnp.einsum).__code__})
 VECTOR_MATMUL_CODES = EINSUM_CODES | {inspect.unwrap(jnp.linalg.vecdot).__code__}
 
 
+def _sums_nothing(eqn) -> bool:
+  """Whether a dot_general contracts no dims of more than one entry: torch's einsum takes a
+  summed index of size one as a broadcast (``einsum("bi,ik->bk")`` with ``i`` of size 1 is a
+  ``mul``)."""
+  lhs_contract = eqn.params["dimension_numbers"][0][0]
+  return all(eqn.invars[0].aval.shape[d] == 1 for d in lhs_contract)
+
+
 def _variant(eqn) -> str | None:
   """A finer key for primitives whose torch op depends on how they are used."""
   primitive = eqn.primitive
@@ -256,7 +264,7 @@ def _variant(eqn) -> str | None:
       return "rdiv"  # python_scalar / tensor: torch's __rdiv__ / __rtruediv__
   if (
     primitive is prims.dot_general_p
-    and not eqn.params["dimension_numbers"][0][0]
+    and _sums_nothing(eqn)
     and compat.traced_inside(eqn, EINSUM_CODES)
   ):
     return "elementwise"  # an einsum summing over no index: torch's composite einsum's mul
