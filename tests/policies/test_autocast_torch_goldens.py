@@ -409,7 +409,7 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   "mm_plus_twice_zeros_like": lambda a, b: (a @ b) + 2 * jnp.zeros_like(a @ b),
   "mm_sum_over_float_lengths": lambda a, b, n: (a @ b).sum(1) / n.astype(jnp.float32),
   "einsum_without_a_summed_index": lambda a, b, v: jnp.einsum("ij,j->ij", a @ b, v),
-  "einsum_summing_an_index_of_size_one": lambda a, b, w: jnp.einsum("bi,ik->bk", (a @ b)[:, :1], w),
+  "einsum_summing_an_index_of_size_one": lambda a, w: jnp.einsum("bi,ik->bk", a[:, :1], w),
   "cat_slice_of_zeros_like": lambda a, b: jnp.concatenate([jnp.zeros_like(a @ b)[:1], (a @ b)[1:]]),
   "logaddexp": jnp.logaddexp,
   "logaddexp2": jnp.logaddexp2,
