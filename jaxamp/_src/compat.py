@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +29,7 @@ from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax
 from jax._src.state import types as _state_types
 from jax.experimental import layout as _layout
 from jax.extend import core as jex_core
@@ -46,6 +48,7 @@ REQUIRED_INTERNALS = {
   "jax._src.api_util.debug_info": lambda: _api_util.debug_info,
   "jax._src.config.trace_context": lambda: _config.trace_context,
   "jax._src.core.typeof": lambda: _core.typeof,
+  "jax._src.lax.lax.canonicalize_precision": lambda: _lax.canonicalize_precision,
   "jax._src.core.eval_jaxpr": lambda: _core.eval_jaxpr,
   "jax._src.linear_util.wrap_init": lambda: _lu.wrap_init,
   "jax._src.source_info_util.user_context": lambda: _source_info.user_context,
@@ -76,7 +79,7 @@ REQUIRED_INTERNALS = {
 
 def _unexported_primitives() -> dict[str, Any]:
   """Primitives jaxamp has rules for that ``jax.extend.core.primitives`` does not export."""
-  from jax._src import callback, custom_batching, ffi, pjit, shard_map
+  from jax._src import callback, custom_batching, custom_derivatives, ffi, pjit, shard_map
   from jax._src.lax import control_flow, linalg
   from jax._src.lax import lax as lax_internal
   from jax._src.state import discharge
@@ -96,6 +99,7 @@ def _unexported_primitives() -> dict[str, Any]:
     "shard_map_p": shard_map.shard_map_p,
     "composite_p": lax_internal.composite_p,
     "custom_vmap_p": custom_batching.custom_vmap_p,  # jax.custom_batching.custom_vmap's call
+    "remat_opt_p": custom_derivatives.remat_opt_p,  # a custom_vjp fwd's, with optimize_remat
     "optimization_barrier_p": control_flow.optimization_barrier_p,
     "ref_get_p": state_primitives.get_p,
     "pvary_p": _core.pvary_p,  # shard_map's cast of a replicated value to varying
@@ -110,6 +114,40 @@ primitives = types.SimpleNamespace(
   **{name: getattr(_exported, name) for name in dir(_exported) if name.endswith("_p")},
   **_unexported_primitives(),
 )
+
+
+# JAX's primitives, found in its modules (``is_jax_primitive``), and the modules count they
+# were found at; jaxamp's own are added as they are made.
+_jax_primitives: set[Any] = set()
+_modules_scanned = [0]
+
+
+def is_jax_primitive(primitive) -> bool:
+  """Whether ``primitive`` is JAX's own (or jaxamp's), not one a library defines (K-FAC's tags):
+  one that a module of ``jax`` or ``jaxlib`` holds."""
+  if primitive in _jax_primitives:
+    return True
+  if len(sys.modules) != _modules_scanned[0]:  # JAX modules imported since: scan again
+    _modules_scanned[0] = len(sys.modules)
+    for name, module in list(sys.modules.items()):
+      if name.split(".", 1)[0] in ("jax", "jaxlib") and module is not None:
+        _jax_primitives.update(
+          value for value in list(vars(module).values()) if isinstance(value, jex_core.Primitive)
+        )
+  return primitive in _jax_primitives
+
+
+def configured_matmul_precision() -> Any:
+  """The precision JAX records on a matmul whose caller gave none: the process's
+  ``jax_default_matmul_precision`` (or its ``jax.default_matmul_precision`` context),
+  canonicalized; None where unset."""
+  return _lax.canonicalize_precision(None)
+
+
+def _own(primitive) -> Any:
+  """Registers one of jaxamp's primitives as JAX's own (``is_jax_primitive``)."""
+  _jax_primitives.add(primitive)
+  return primitive
 
 
 def typeof(x) -> Any:
@@ -560,7 +598,7 @@ def bilinear_primitive(
   """
   from jax.interpreters import ad, batching, mlir
 
-  primitive = jex_core.Primitive(name)
+  primitive = _own(jex_core.Primitive(name))
   primitive.def_impl(impl)
   primitive.def_abstract_eval(abstract_eval)
   mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=False))
@@ -574,7 +612,7 @@ def identity_primitive(name: str) -> Any:
   ``vmap``: an eqn to mark a value with, which compiles away."""
   from jax.interpreters import ad, batching, mlir
 
-  primitive = jex_core.Primitive(name)
+  primitive = _own(jex_core.Primitive(name))
   primitive.def_impl(lambda x: x)
   primitive.def_abstract_eval(lambda aval: aval)
   mlir.register_lowering(primitive, lambda ctx, x: [x])
@@ -611,7 +649,7 @@ def unary_primitive(
   so a deep model's many uses of it trace a few eqns each."""
   from jax.interpreters import ad, batching, mlir
 
-  primitive = jex_core.Primitive(name)
+  primitive = _own(jex_core.Primitive(name))
   primitive.def_impl(functools.partial(_dispatch.apply_primitive, primitive))
   primitive.def_abstract_eval(abstract_eval)
   mlir.register_lowering(primitive, lowering)
@@ -696,7 +734,7 @@ def platform_widened_dot(name: str, platform: str) -> Any:
   dots this primitive."""
   from jax.interpreters import ad, batching, mlir
 
-  primitive = jex_core.Primitive(name)
+  primitive = _own(jex_core.Primitive(name))
   dot_general, barrier = _exported.dot_general_p, primitives.optimization_barrier_p
 
   def rounded(ctx, operands, operand_dtype, separately: bool) -> tuple[list, list]:
@@ -782,7 +820,7 @@ def _platform_dot(name: str, platform: str, lowered_platform_dot: Callable[..., 
   dots) and batched as ``dot_general``, the batched dots this primitive."""
   from jax.interpreters import ad, batching, mlir
 
-  primitive = jex_core.Primitive(name)
+  primitive = _own(jex_core.Primitive(name))
 
   def lowered_dot(ctx, lhs, rhs, *, platform_dtype, **params):
     return lower_as(ctx, _exported.dot_general_p, [lhs, rhs], ctx.avals_in, ctx.avals_out, **params)

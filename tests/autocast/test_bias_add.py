@@ -1,8 +1,8 @@
 """A parameter added to a dot or conv runs in the low dtype, as torch's linear/addmm/conv with a
 bias; a computed addend is a residual and promotes.
 
-Whether an addend is a bias is decided by where it comes from (a parameter or constant, read by
-nothing but adds), not by its rank: per-example layers written unbatched (Equinox's ``Linear``
+Whether an addend is a bias is decided by where it comes from (a parameter or constant that the
+dot's output is not computed with, whatever else reads it), not by its rank: per-example layers written unbatched (Equinox's ``Linear``
 and ``Conv2d``), ``vmap`` (a transpose between the dot and the add) and ``addmv`` all keep their
 output in the low dtype.
 """
@@ -99,6 +99,43 @@ def test_residual_add_of_an_input_the_block_also_reads_promotes(device_type, low
     return x + jnp.tanh(x) @ w  # x is an activation: read by tanh, not only added
 
   assert jaxamp.autocast(block, device_type=device_type)(XS, jnp.eye(8)).dtype == jnp.float32
+
+
+@policies
+def test_a_bias_the_loss_also_penalizes_stays_low(device_type, low):
+  # Weight decay written into the loss (Haiku's examples): the bias is read beside its add.
+  def loss(w, v, b):
+    out = w @ v + b
+    return out, 1e-4 * (jnp.sum(w**2) + jnp.sum(b**2))
+
+  out, penalty = jaxamp.autocast(loss, device_type=device_type)(W, V, B)
+  assert out.dtype == low and penalty.dtype == jnp.float32
+
+
+@policies
+def test_a_linen_mlps_outputs_stay_low_under_an_l2_penalty_on_every_parameter(device_type, low):
+  model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(4)])
+  params = model.init(jax.random.key(7), XS)
+
+  def loss(params, x):
+    l2 = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
+    return model.apply(params, x), l2
+
+  logits, _ = jaxamp.autocast(loss, device_type=device_type)(params, XS)
+  assert logits.dtype == low
+
+
+@policies
+def test_a_bias_shared_by_unrolled_steps_stays_low(device_type, low):
+  # One cell's weights and bias applied at every step of a Python loop (and also penalized).
+  def unrolled(w, b, xs):
+    h = jnp.zeros(8)
+    for x in xs:
+      h = jnp.tanh(w @ (h + x) + b)
+    return h, jnp.sum(b**2)
+
+  h, _ = jaxamp.autocast(unrolled, device_type=device_type)(jnp.eye(8), jnp.ones(8), XS)
+  assert h.dtype == low
 
 
 @policies

@@ -121,6 +121,48 @@ def test_custom_vjp_bwd_gets_the_symbolic_zero_cotangents_jax_gives():
   assert_close(actual, expected)
 
 
+def remat_optimized_matmul():
+  """``a @ b`` with a custom_vjp defined with ``optimize_remat=True`` (as tokamax's ops are),
+  its backward doubling the gradient."""
+
+  @jax.custom_vjp
+  def matmul(a, b):
+    return a @ b
+
+  def matmul_fwd(a, b):
+    return a @ b, (a, b)
+
+  def matmul_bwd(residuals, g):
+    a, b = residuals
+    return 2 * g @ b.T, 2 * a.T @ g
+
+  matmul.defvjp(matmul_fwd, matmul_bwd, optimize_remat=True)
+  return matmul
+
+
+def test_a_custom_vjp_with_optimize_remat_runs_its_forward_low_under_vjp():
+  fun = cuda(remat_optimized_matmul())
+  jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(fun, x, w)[0])(X, W).jaxpr
+  assert jaxpr_utils.matmuls_off_dtype(jaxpr, jnp.float16) == []
+
+
+def test_a_custom_vjp_with_optimize_remat_gives_its_backwards_gradient():
+  loss = lambda matmul: lambda w: (matmul(X, w) * Y).sum()
+  expected = jax.grad(loss(remat_optimized_matmul()))(W)
+  assert_close(jax.grad(cuda(loss(remat_optimized_matmul())))(W), expected)
+
+
+def test_a_custom_vjp_with_optimize_remat_whose_residuals_go_unused_runs_its_primal_low():
+  # jit drops the unused residuals: JAX runs the primal in place of the forward.
+  fun = cuda(remat_optimized_matmul())
+  lowered = jax.jit(lambda x, w: jax.vjp(fun, x, w)[0]).lower(X, W).as_text()
+  dots = [line for line in lowered.splitlines() if "dot_general" in line]
+  assert dots and all("f32" not in line for line in dots)
+  out = jax.jit(lambda x, w: jax.vjp(fun, x, w)[0])(X, W)
+  assert out.dtype == jnp.float16
+  np.testing.assert_allclose(out, X @ W, rtol=0, atol=1e-2 * float(jnp.max(jnp.abs(X @ W))))
+
+
 def test_custom_vjp_nondiff_argnums_keeps_its_rule():
   """A Python value in ``nondiff_argnums`` reaches ``fwd`` and ``bwd``; the gradient is the
   backward's."""

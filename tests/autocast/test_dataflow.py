@@ -33,7 +33,7 @@ def facts_of(fun, *args):
   dot a low-precision matmul)."""
   jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
   facts = dataflow.Provenance()
-  facts.activations.update(dataflow.activation_reads(jaxpr))
+  facts.reads = (dataflow.input_reads(jaxpr),)
   for eqn in jaxpr.eqns:
     if eqn.primitive is compat.primitives.dot_general_p:
       facts.note_matmul(eqn)
@@ -89,12 +89,47 @@ def test_a_layout_change_and_a_cast_keep_their_inputs_root():
 def test_an_added_parameter_is_a_parameter_through_its_broadcast():
   jaxpr, facts = facts_of(lambda x, w, b: x @ w + b, X, W, B)
   broadcast = eqn_named(jaxpr, "broadcast_in_dim").outvars[0]
-  assert facts.is_parameter(jaxpr.invars[2]) and facts.is_parameter(broadcast)
+  product = eqn_named(jaxpr, "dot_general").outvars[0]
+  assert facts.is_added_parameter(jaxpr.invars[2], product)
+  assert facts.is_added_parameter(broadcast, product)
 
 
-def test_an_input_read_by_a_dot_is_not_a_parameter():
-  jaxpr, facts = facts_of(lambda x, w: x + x @ w[:, :8].T, X, jnp.ones((8, 8)))
-  assert not facts.is_parameter(jaxpr.invars[0])  # x + W @ x: a residual, not a bias
+def test_an_input_the_product_is_computed_with_is_not_an_added_parameter():
+  jaxpr, facts = facts_of(lambda x, w: x + jnp.tanh(x) @ w, X, jnp.ones((8, 8)))
+  product = eqn_named(jaxpr, "dot_general").outvars[0]
+  assert facts.is_parameter(jaxpr.invars[0])  # passed in, not computed
+  assert not facts.is_added_parameter(jaxpr.invars[0], product)  # x + W @ tanh(x): a residual
+
+
+# --- input_reads ----------------------------------------------------------------------------------
+
+
+def test_a_value_is_computed_with_the_inputs_read_on_its_way():
+  jaxpr = jax.make_jaxpr(lambda x, w, b: jnp.tanh(x @ w + b))(X, W, B).jaxpr
+  reads = dataflow.input_reads(jaxpr)
+  x, w, b = jaxpr.invars
+  (out,) = jaxpr.outvars
+  assert all(reads.computes_with(out, var) for var in (x, w))
+
+
+def test_a_value_is_not_computed_with_an_input_only_added_on_its_way():
+  # A bias the steps of an unrolled loop share: added, never read otherwise on the way.
+  jaxpr = jax.make_jaxpr(lambda x, w, b: jnp.tanh(x @ w + b) @ w.T)(X, W, B).jaxpr
+  reads = dataflow.input_reads(jaxpr)
+  assert not reads.computes_with(jaxpr.outvars[0], jaxpr.invars[2])
+
+
+def test_a_value_is_not_computed_with_an_input_read_beside_it():
+  jaxpr = jax.make_jaxpr(lambda x, w, b: (x @ w, jnp.sum(b**2)))(X, W, B).jaxpr
+  reads = dataflow.input_reads(jaxpr)
+  assert not reads.computes_with(jaxpr.outvars[0], jaxpr.invars[2])
+
+
+def test_an_input_a_sub_jaxpr_computes_with_is_read_by_its_outputs():
+  fun = lambda x, b: x + jax.jit(lambda b: b * 2.0)(b)
+  jaxpr = jax.make_jaxpr(fun)(X, jnp.ones(8)).jaxpr
+  call = eqn_named(jaxpr, "jit")
+  assert dataflow.input_reads(jaxpr).computes_with(call.outvars[0], jaxpr.invars[1])
 
 
 def test_a_computed_value_is_computed_and_not_a_parameter():

@@ -112,6 +112,27 @@ def test_an_elementwise_function_of_float32_inputs_is_plain_jax(name):
   close(out, fun(x, y), rtol=1e-6, atol=1e-7)
 
 
+BINARY = ["hypot", "logaddexp", "logaddexp2", "xlog1py", "xlogy"]
+# The operands' dtypes and shapes: a 16-bit and a float32 tensor, in either order, also
+# broadcast; a 16-bit tensor beside a float32 0-dim one, which it outranks in torch.
+MIXED = {
+  "low_f32": ((jnp.float16, (4, 32)), (jnp.float32, (4, 32))),
+  "f32_low": ((jnp.float32, (4, 32)), (jnp.float16, (4, 32))),
+  "low_f32_row": ((jnp.float16, (4, 32)), (jnp.float32, (32,))),
+  "low_f32_0d": ((jnp.float16, (4, 32)), (jnp.float32, ())),
+}
+
+
+@pytest.mark.parametrize("operands", sorted(MIXED))
+@pytest.mark.parametrize("name", BINARY)
+def test_an_elementwise_function_of_mixed_dtypes_returns_torchs_promoted_dtype(name, operands):
+  jax_fun, torch_fun = FUNCTIONS[name]
+  values = [jnp.full(shape, 0.5, dtype) for dtype, shape in MIXED[operands]]
+  got = jax.jit(jaxamp.autocast(jax_fun, device_type="cuda"))(*values)
+  tensors = [torch.full(v.shape, 0.5, dtype=getattr(torch, v.dtype.name)) for v in values]
+  assert got.dtype.name == str(torch_fun(*tensors).dtype).removeprefix("torch.")
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "xpu", "tpu"])
 def test_every_policy_computes_elementwise_functions_in_float32_inside(device_type):
   dtype = jaxamp.get_autocast_dtype(device_type)

@@ -152,6 +152,28 @@ def test_default_precision_spelled_out_is_autocast(device_type):
   assert fun(XS, WS).dtype == jaxamp.get_autocast_dtype(device_type)
 
 
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+@pytest.mark.parametrize("configured", ["float32", "highest", "tensorfloat32", "F32_F32_F32"])
+def test_a_process_wide_default_matmul_precision_is_not_an_explicit_request(
+  device_type, configured
+):
+  # dynamax sets jax_default_matmul_precision="float32" on import; torch's
+  # set_float32_matmul_precision("highest") leaves autocast's matmuls low as well.
+  fun = jaxamp.autocast(lambda x, w: jnp.tanh(x @ w), device_type=device_type)
+  with jax.default_matmul_precision(configured):
+    assert jax.jit(fun)(XS, WS).dtype == jaxamp.get_autocast_dtype(device_type)
+    lowered = jax.jit(fun).lower(XS, WS).as_text()
+  (dot,) = [line for line in lowered.splitlines() if "dot_general" in line]
+  assert "f32" not in dot  # a configured dot algorithm would compute in float32
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_an_explicit_precision_beside_another_configured_one_runs_in_float32(device_type):
+  fun = lambda x, w: jnp.dot(x, w, precision=lax.Precision.HIGHEST)
+  with jax.default_matmul_precision("tensorfloat32"):
+    assert jaxamp.autocast(fun, device_type=device_type)(XS, WS).dtype == jnp.float32
+
+
 def test_explain_names_the_explicit_precision():
   fun = lambda x, w: jnp.dot(x, w, precision=lax.Precision.HIGHEST)
   report = str(jaxamp.explain(fun, device_type="cpu")(XS, WS))

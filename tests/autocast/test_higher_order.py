@@ -238,6 +238,37 @@ def test_unknown_primitives_get_their_traced_dtypes_back():
   assert out.dtype == jnp.float32
 
 
+def _library_tag():
+  """A primitive a library defines, as K-FAC's loss and layer tags are: ``x * weight``, the
+  weight a Python scalar it reads back from the jaxpr as given."""
+  from jax.extend.core import Primitive
+  from jax.interpreters import mlir
+
+  tag = Primitive("library_tag")
+  tag.def_impl(lambda x, weight: x * weight)
+  tag.def_abstract_eval(lambda x, weight: x)
+  mlir.register_lowering(tag, mlir.lower_fun(lambda x, weight: x * weight, False))
+  return tag
+
+
+LIBRARY_TAG = _library_tag()
+
+
+@pytest.mark.parametrize("device_type,low", [("cuda", jnp.float16), ("cpu", jnp.bfloat16)])
+def test_a_librarys_primitive_runs_on_its_inputs_as_they_come(device_type, low):
+  # torch runs an op its autocast lists do not name on what it is given (a fallthrough).
+  fun = lambda x, w: LIBRARY_TAG.bind(x @ w, 1.0)
+  assert jax.jit(jaxamp.autocast(fun, device_type=device_type))(X, W).dtype == low
+
+
+def test_a_librarys_primitive_keeps_the_python_scalars_it_was_given():
+  fun = lambda x, w: LIBRARY_TAG.bind(x @ w, 1.0)
+  jaxpr = jax.make_jaxpr(jaxamp.autocast(fun, device_type="cuda"))(X, W).jaxpr
+  (tag,) = [e for e in jaxpr.eqns if e.primitive is LIBRARY_TAG]
+  weight = tag.invars[1]
+  assert isinstance(weight.val, float) and weight.aval.weak_type
+
+
 def test_jitted_layer_is_rewritten_once():
   layer = jax.jit(lambda x, w: jnp.tanh(x @ w))
 

@@ -171,6 +171,8 @@ EXAMPLES = {
     (spd(4), x_of(4)),
   ),
   ("jax.numpy.linalg", "lstsq"): (lambda a, b: jnp.linalg.lstsq(a, b)[0], (spd(), x_of(3))),
+  ("jax.lax.linalg", "cholesky"): (jnp.linalg.cholesky, (spd(),)),
+  ("jax.lax.linalg", "eigh"): (lambda a: jnp.linalg.eigh(a)[0], (spd(),)),
   ("jax.numpy", "sum"): (jnp.sum, (X,)),
   ("jax.numpy", "prod"): (jnp.prod, (X,)),
   ("jax.numpy", "mean"): (jnp.mean, (X,)),
@@ -647,6 +649,29 @@ def test_optax_ctc_loss_runs_in_float32_and_stays_finite_where_float32_is(device
 
 def third_party_rms_norm(x):
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+# A Gram matrix made by a float16 matmul, finite, with entries past 32752: symmetrizing it in
+# float16 (``a + a.T``) overflows. dynamax's InverseWishart prior builds one (through TFP).
+GRAM_FACTOR = jnp.array([[189.5, 0.0], [121.2, 23.9]])
+SYMMETRIZED = {
+  "cholesky": jnp.linalg.cholesky,
+  "eigh": lambda a: jnp.linalg.eigh(a)[0],
+  "eigvalsh": jnp.linalg.eigvalsh,
+  "scipy_eigh": lambda a: jax.scipy.linalg.eigh(a)[0],
+  "lax_cholesky": jax.lax.linalg.cholesky,
+}
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu", "xpu", "tpu"])
+@pytest.mark.parametrize("name", sorted(SYMMETRIZED))
+def test_linear_algebra_symmetrizes_a_16_bit_input_in_float32(name, device_type):
+  fun = lambda y: SYMMETRIZED[name](y.T @ y)
+  got = jax.jit(jaxamp.autocast(fun, device_type=device_type))(GRAM_FACTOR)
+  gram = jaxamp.autocast(lambda y: y.T @ y, device_type=device_type)(GRAM_FACTOR)
+  expected = SYMMETRIZED[name](gram.astype(jnp.float32))  # the 16-bit matrix, in float32
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, expected, rtol=1e-2)  # XLA may keep the product unrounded
 
 
 def test_register_op_recognises_a_function_object_without_wrapping_it():

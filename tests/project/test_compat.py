@@ -144,3 +144,14 @@ def test_a_conversion_the_caller_asks_for_is_a_requested_cast(spelling):
 def test_jnps_promotion_of_an_operand_is_no_requested_cast(spelling):
   (convert,) = _converts(spelling, jnp.ones(4), jnp.arange(4))
   assert not compat.is_requested_cast(convert)
+
+
+def test_jaxs_and_jaxamps_primitives_are_jaxs_own_and_a_librarys_is_not():
+  from jax.extend.core import Primitive
+  from jax.experimental import sparse  # noqa: F401 (a JAX module imported after the first scan)
+
+  assert compat.is_jax_primitive(compat.primitives.add_p)
+  assert compat.is_jax_primitive(compat.primitives.remat_opt_p)
+  assert compat.is_jax_primitive(exp_like_p)  # made by compat.unary_primitive
+  assert compat.is_jax_primitive(sparse.bcoo_dot_general_p)
+  assert not compat.is_jax_primitive(Primitive("a_librarys_tag"))

@@ -1,16 +1,17 @@
 """Where each value of a jaxpr comes from, as far as the cast rules care.
 
-A bias is a parameter added to a dot's output; a Python scalar or a fill follows the dtype of
-what it meets; an activation is computed, or read by something other than an add. These facts
-are gathered eqn by eqn (``Provenance.note``) and, for values passed into a sub-jaxpr, from what
-its body does with them (``activation_reads``).
+A bias is a parameter added to a dot's output that the output is not computed with; a Python
+scalar or a fill follows the dtype of what it meets; an activation is computed. These facts are
+gathered eqn by eqn (``Provenance.note``), what each value is computed with in one pass over
+the jaxpr (``input_reads``) and, for values passed into a sub-jaxpr, from what its body does
+with them (``activation_reads``).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +104,8 @@ class Provenance:
   Attributes:
     source: var -> the var it is a layout change or cast of (its root).
     computed: vars computed from others (not parameters or constants).
-    activations: uncomputed vars read by computations other than adds.
+    reads: which inputs each value is computed with (``InputReads``), of the jaxpr and of
+      the one it is a part of.
     lowered: outputs of low-precision dots and convs, and their layout changes.
     weak: vars holding a converted Python scalar or a fill (``is_weak``).
     fills: var -> the ``broadcast_in_dim`` of a literal that made it (remade in any dtype).
@@ -122,7 +124,7 @@ class Provenance:
   def __init__(self):
     self.source: dict[Any, Any] = {}
     self.computed: set[Any] = set()
-    self.activations: set[Any] = set()
+    self.reads: tuple[InputReads, ...] = ()
     self.lowered: set[Any] = set()
     self.weak: set[Any] = set()
     self.fills: dict[Any, Any] = {}
@@ -207,10 +209,17 @@ class Provenance:
       self.likes.update(v for v in eqn.outvars if _is_inexact(v))
 
   def is_parameter(self, atom) -> bool:
-    """Whether ``atom`` is (a layout change of) a parameter or constant: read, not computed,
-    and read by nothing but adds here, as a bias is."""
+    """Whether ``atom`` is (a layout change of) a parameter or constant: read, not computed."""
+    return self.root(atom) not in self.computed
+
+  def is_added_parameter(self, atom, partner) -> bool:
+    """Whether ``atom`` is a parameter (``is_parameter``) that ``partner`` is not computed
+    with (``InputReads``), as a bias is to the matmul it is added to: ``x`` in ``x + W @ x``
+    is a residual."""
     root = self.root(atom)
-    return root not in self.computed and root not in self.activations
+    return self.is_parameter(atom) and not any(
+      reads.computes_with(partner, root) for reads in self.reads
+    )
 
   def is_computed(self, atom) -> bool:
     """Whether ``atom`` was computed from other values (an activation), not passed in."""
@@ -290,13 +299,13 @@ class Provenance:
   def carried(self, atoms) -> Provenance:
     """The facts about ``atoms`` alone, for a part of the jaxpr evaluated on its own."""
     facts = Provenance()
+    facts.reads = self.reads
     for atom in atoms:
       root = self.root(atom)
       if root is not atom:
         facts.source[atom] = root
       for mine, theirs in (
         (self.computed, facts.computed),
-        (self.activations, facts.activations),
         (self.lowered, facts.lowered),
         (self.weak, facts.weak),
         (self.likes, facts.likes),
@@ -406,6 +415,53 @@ def _stride_spans(shape) -> list[tuple[int, int]]:
     spans.append((stride, stride * size))
     stride *= size
   return spans[::-1]
+
+
+class InputReads(NamedTuple):
+  """Which of a jaxpr's inputs each of its values is computed with: an input read on the way by
+  something other than an add (``x`` in ``x + tanh(x) @ w``, a residual), not one only added
+  upstream (a bias its unrolled steps share) nor one read beside (an L2 penalty on the bias).
+
+  Attributes:
+    bits: an input (invar, constvar, a whole read of a reference) -> its bit.
+    read: a value -> the bits of the inputs it is computed with.
+  """
+
+  bits: dict[Any, int]
+  read: dict[Any, int]
+
+  def computes_with(self, value, source) -> bool:
+    """Whether ``value`` is computed with the input ``source``."""
+    return bool(self.read.get(value, 0) & self.bits.get(source, 0))
+
+
+def input_reads(jaxpr) -> InputReads:
+  """``InputReads`` of ``jaxpr``, in one pass: what an eqn computes is computed with what its
+  inputs are and, but for an add, with the inputs it reads itself (those a sub-jaxpr's body
+  reads so, ``activation_reads``); layout changes pass both on."""
+  inputs = (*jaxpr.constvars, *jaxpr.invars)
+  bits = {var: 1 << i for i, var in enumerate(inputs)}
+  roots: dict[Any, Any] = {}
+  read: dict[Any, int] = {}
+  for eqn in jaxpr.eqns:
+    if compat.is_whole_read(eqn):  # reads a parameter, as a function argument is read
+      bits.update((out, 1 << (len(bits) + i)) for i, out in enumerate(eqn.outvars))
+      continue
+    if eqn.primitive in KEEPS_PROVENANCE:
+      for source, out in passed_through(eqn):
+        if not compat.is_literal(source):
+          roots[out] = roots.get(source, source)
+          read[out] = read.get(source, 0)
+      continue
+    computed_with = 0
+    for atom in eqn.invars:
+      computed_with |= 0 if compat.is_literal(atom) else read.get(atom, 0)
+    if eqn.primitive is not prims.add_p:
+      for atom in _activation_inputs(eqn):
+        if not compat.is_literal(atom):
+          computed_with |= bits.get(roots.get(atom, atom), 0)
+    read.update((out, computed_with) for out in eqn.outvars)
+  return InputReads(bits, read)
 
 
 def activation_reads(jaxpr) -> set[Any]:
@@ -565,9 +621,10 @@ def _per_jaxpr(name: str, compute: Callable[[Any], Any]) -> Callable[[Any], Any]
   return once
 
 
-# ``mask_outputs``, ``activation_reads``, ``selected_reads`` and ``gradient_exits`` of a jaxpr, once
-# per jaxpr object.
+# ``mask_outputs``, ``activation_reads``, ``input_reads``, ``selected_reads`` and
+# ``gradient_exits`` of a jaxpr, once per jaxpr object.
 body_mask_outputs = _per_jaxpr("dataflow.body_masks", mask_outputs)
 body_activations = _per_jaxpr("dataflow.body_reads", activation_reads)
+body_input_reads = _per_jaxpr("dataflow.input_reads", input_reads)
 body_selected = _per_jaxpr("dataflow.body_selected", selected_reads)
 body_gradient_exits = _per_jaxpr("dataflow.gradient_exits", gradient_exits)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -706,6 +707,37 @@ def _custom_vjp_rule(eqn, invals, env, ctx):
   return list(autocast_fun(*invals))
 
 
+def _remat_opt_rule(eqn, invals, env, ctx):
+  """A ``custom_vjp``'s ``fwd`` defined with ``optimize_remat=True``: the forward autocast, and
+  the primal JAX runs instead where no residual is used autocast alike, its outputs in the
+  forward's dtypes."""
+  params = eqn.params
+  fwd = _rewrite_call(params["fwd_jaxpr"], eqn, invals, env, ctx)
+  out_dtypes = tuple(aval.dtype for aval in fwd.out_avals[params["num_res"] :])
+  atoms, values = eqn.invars[params["num_consts"] :], invals[params["num_consts"] :]
+  computed, weak = computed_inputs(env, atoms), weak_inputs(atoms, env)
+  discrete = tuple(discrete_inputs(atoms, env))
+  primal_thunk, path = params["fun_jaxpr_thunk"], sub_path(env.path, eqn)
+
+  @functools.cache
+  def fun_jaxpr_thunk():
+    jaxpr, consts = primal_thunk()
+    new, _ = rewrite(
+      jaxpr,
+      consts,
+      body_avals(jaxpr.invars, values, weak),
+      ctx,
+      out_dtypes,
+      path=path,
+      computed=computed,
+      constants=known_constants(atoms),
+      discrete=discrete,
+    )
+    return new.jaxpr, new.consts
+
+  return compat.bind(eqn, invals, dict(params, fwd_jaxpr=fwd, fun_jaxpr_thunk=fun_jaxpr_thunk))
+
+
 def _custom_vmap_rule(eqn, invals, env, ctx):
   """The function autocast, and its vmap rule autocast when a vmap calls it: the dtypes are
   the same whether ``vmap`` comes before or after autocast (``jax.custom_batching``'s
@@ -937,6 +969,7 @@ BODY_RULES: dict[Any, rules.BodyRule] = {
   prims.custom_jvp_call_p: _custom_jvp_rule,
   prims.custom_vjp_call_p: _custom_vjp_rule,
   prims.custom_vmap_p: _custom_vmap_rule,
+  prims.remat_opt_p: _remat_opt_rule,
 }
 
 # The rules autocast evaluates with: ``rules.py``'s and these.

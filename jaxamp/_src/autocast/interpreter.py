@@ -44,7 +44,8 @@ def evaluate(
   """Evaluates ``jaxpr`` on ``args`` in the current trace, casting as ``ctx``'s policy says.
 
   ``computed`` flags the invars that are activations computed outside (the others, like the
-  constvars, are parameters or constants, unless the jaxpr itself reads them as activations);
+  constvars, are parameters or constants, or a residual's input where what they are added to
+  is computed with them, ``dataflow.InputReads``);
   ``constants`` gives the values of invars known while tracing (Python scalars; None if not);
   ``weak`` flags the invars that follow their partner's dtype outside (fills, scalars);
   ``discrete`` those that receive converted booleans or integers (``Provenance.is_discrete``).
@@ -63,7 +64,7 @@ def evaluate(
   env.facts.constants.update(
     (var, value) for var, value in zip(jaxpr.invars, constants, strict=False) if value is not None
   )
-  env.facts.activations.update(dataflow.body_activations(jaxpr))
+  env.facts.reads = (*env.facts.reads, dataflow.body_input_reads(jaxpr))
   env.facts.selected.update(dataflow.body_selected(jaxpr))
   last_read = _last_reads(jaxpr)
   last_use = _dying_at(last_read, len(jaxpr.eqns))
@@ -209,7 +210,10 @@ def _enter_op(eqn, env: Env, ctx: Context, call: op_calls.OpCall) -> None:
       and env.region.get(a) != call.instance
       and isinstance(a.aval, jax.core.ShapedArray)
     ]
-    env.exits.note_entering(call.instance, entering, call.region.name in op_calls.STATEFUL_OPS)
+    name = call.region.name
+    env.exits.note_entering(
+      call.instance, entering, name in op_calls.STATEFUL_OPS, name in op_calls.PROMOTING_OPS
+    )
   elif op_calls.accumulates(call):
     env.exits.note_low(call.instance, ctx.policy.dtype)
 

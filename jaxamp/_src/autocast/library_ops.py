@@ -84,6 +84,11 @@ EAGER_OPS = (
   ("jax.numpy.linalg", "tensorinv", "linalg_tensorinv"),
   ("jax.numpy.linalg", "tensorsolve", "linalg_tensorsolve"),
   ("jax.numpy.linalg", "lstsq", "linalg_lstsq"),
+  # jax.lax.linalg's wrappers (jnp.linalg's and jax.scipy.linalg's too) symmetrize their input
+  # before the primitive, ``(a + a^H) / 2``: in 16 bits that sum overflows (a float16 Gram matrix
+  # past 32752), where torch's kernels, reading one triangle, have no such step.
+  ("jax.lax.linalg", "cholesky", "linalg_cholesky"),
+  ("jax.lax.linalg", "eigh", "linalg_eigh"),
   ("jax.numpy", "sum", "sum"),
   ("jax.numpy", "prod", "prod"),
   ("jax.numpy", "mean", "mean"),

@@ -26,6 +26,11 @@ from jaxamp._src.policies.table import Category
 # those outputs keep their traced dtype (float32, or a 16-bit layer's own) when they leave the op.
 STATEFUL_OPS = frozenset({"batch_norm"})
 
+# FLOAT32_INSIDE ops that are torch elementwise kernels (TensorIterator): their result dtype is
+# the promotion of their tensor operands' (``xlogy(bf16, f32)`` is float32), a 0-dim tensor
+# taking part only beside no other, where a norm's or a pool's is its main input's.
+PROMOTING_OPS = frozenset({*shared.ACTIVATION_OPS, *shared.ELEMENTWISE_FUNCTION_OPS})
+
 # These FLOAT32_INSIDE ops run under ``jax.checkpoint`` when a 16-bit tensor enters them: torch's
 # softmax kernels save a 16-bit tensor (their output) for the backward, and its activation and
 # elementwise function kernels their 16-bit inputs, while differentiating the float32
@@ -335,8 +340,9 @@ def accumulates(call: OpCall) -> bool:
 
 
 class OpExits:
-  """What each FLOAT32_INSIDE call returns its float32 results in: its main input's dtype; and
-  each accumulating LOWER call (``ACCUMULATING_OPS``): the policy's low dtype.
+  """What each FLOAT32_INSIDE call returns its float32 results in: its main input's dtype, or
+  for an elementwise kernel (``PROMOTING_OPS``) its operands' promoted dtype; and each
+  accumulating LOWER call (``ACCUMULATING_OPS``): the policy's low dtype.
 
   torch's kernels return the dtype of their main input; values leaving in another dtype were
   chosen explicitly (``dtype=``) and keep it. A stateful op's (``STATEFUL_OPS``) outputs shaped
@@ -353,13 +359,19 @@ class OpExits:
     """Every float32 result of ``instance`` leaves it in ``dtype``."""
     self._low[instance] = dtype
 
-  def note_entering(self, instance: str, avals: Sequence[Any], stateful: bool) -> None:
+  def note_entering(
+    self, instance: str, avals: Sequence[Any], stateful: bool, promotes: bool = False
+  ) -> None:
     """Remembers the largest floating value entering ``instance`` (and, for a stateful op, the
-    others' shapes: those of its state)."""
+    others' shapes: those of its state), typed with the promoted dtype of all of them where the
+    op ``promotes``: of the tensors with dims, or of the 0-dim ones where none has any."""
     main, shapes = self._exits.get(instance, (None, frozenset()))
     for aval in avals:
       if not casting.is_eligible(aval.dtype):
         continue
+      if promotes and main is not None and (aval.ndim > 0) == (main.ndim > 0):
+        dtype = casting.widest([main.dtype, aval.dtype])
+        main, aval = compat.aval_with_dtype(main, dtype), compat.aval_with_dtype(aval, dtype)
       if main is None or _ordering_size(aval) > _ordering_size(main):
         main, aval = aval, main
       if aval is not None and stateful:

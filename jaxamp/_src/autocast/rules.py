@@ -355,7 +355,8 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
   """``dot_or_conv(x, W) + b`` runs in the dot's low dtype, as torch's ``linear(x, W, b)``,
   ``addmm``, ``addmv`` and ``conv`` with a bias do.
 
-  ``b`` is a bias when it is a parameter or constant (``Provenance.is_parameter``) that varies
+  ``b`` is a bias when it is a parameter or constant that the output is not computed with
+  (``Provenance.is_added_parameter``: also when the loss penalizes it) and that varies
   along the free dims of one weight operand at most (``dataflow.is_bias_of``), as a linear or
   conv bias varies along the output features: flax's ``Dense`` (a broadcast vector),
   Equinox's ``Linear`` (``W @ x + b``) and ``Conv2d`` (a ``(C, 1, 1)`` bias), under ``vmap``
@@ -375,7 +376,7 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
   for out, bias in ((a, b), (b, a)):
     if (
       out in facts.lowered
-      and facts.is_parameter(bias)
+      and facts.is_added_parameter(bias, out)
       and dataflow.is_bias_of(facts.dims_of(out), facts.dims_of(bias), out.aval.shape)
     ):
       out_dtype, bias_dtype = env.dtype(out), env.dtype(bias)
@@ -387,9 +388,11 @@ def _add(eqn, env: Env, ctx: Context) -> Applied:
 
 def explicit_precision(eqn) -> bool:
   """Whether a matmul's caller asked for more than the default precision (``precision=HIGHEST``
-  or ``HIGH``, or a dot algorithm): an explicit request, like a ``dtype=``."""
+  or ``HIGH``, or a dot algorithm): an explicit request, like a ``dtype=``. The process's
+  ``jax_default_matmul_precision``, which JAX records on every matmul given none, is not one:
+  torch's ``set_float32_matmul_precision`` leaves autocast's matmuls low."""
   precision = eqn.params.get("precision")
-  if precision is None:
+  if precision is None or precision == compat.configured_matmul_precision():
     return False
   parts = precision if isinstance(precision, tuple | list) else (precision,)
   return any(part is not None and part != lax.Precision.DEFAULT for part in parts)
@@ -581,7 +584,7 @@ def bind_native(eqn, env: Env, invals: list) -> tuple[list, list]:
   Returns the outputs and the values bound on.
   """
   invals, rounded_to = _equalize(eqn, invals, env)
-  params = _result_type_params(eqn, invals) or dict(eqn.params)
+  params = _matmul_params(eqn, invals)
   combiner = COMBINER_PARAM.get(eqn.primitive)
   if combiner and params.get(combiner) is not None:
     operand_dtype = compat.typeof(invals[0]).dtype
@@ -619,12 +622,17 @@ def _equalize(eqn, invals: list, env: Env) -> tuple[list, np.dtype | None]:
   in float32 (``SCALAR_OPMATH``); None otherwise.
 
   ``INDEPENDENT_OPERANDS`` do not compute with their operands together: theirs keep their dtypes.
+  A library's primitive keeps its Python scalars as it was given them (K-FAC reads its loss
+  tags' weights back from the jaxpr).
   """
   if eqn.primitive in INDEPENDENT_OPERANDS:
     return invals, None
   rounded_to = None
   groups: dict[np.dtype, list[int]] = {}
+  library = not compat.is_jax_primitive(eqn.primitive)
   for i, atom in enumerate(eqn.invars):
+    if library and compat.is_literal(atom):
+      continue
     traced = atom.aval.dtype
     if casting.is_eligible(traced) and casting.is_eligible(compat.typeof(invals[i]).dtype):
       groups.setdefault(traced, []).append(i)
@@ -669,16 +677,25 @@ def _fits(atom, value, env: Env, dtype: np.dtype) -> bool:
   return constant is None or casting.fits(constant, dtype)
 
 
-def _result_type_params(eqn, invals) -> dict | None:
-  """Matmul params (dense, conv, sparse) whose result dtype follows the new inputs, unless the
-  caller fixed it."""
-  preferred = eqn.params.get("preferred_element_type")
-  if preferred is None or explicit_result_type(eqn) is not None:
-    return None
+def _matmul_params(eqn, invals) -> dict:
+  """The eqn's params for ``invals``; a matmul's (dense, conv, sparse) with its result dtype
+  following the new inputs, unless the caller fixed it, and without the process's configured
+  precision where they are 16-bit: set for float32 matmuls, a configured dot algorithm
+  (``"F32_F32_F32"``) would compute theirs in float32."""
+  params = dict(eqn.params)
+  preferred, precision = params.get("preferred_element_type"), params.get("precision")
+  if preferred is None and precision is None:
+    return params
   new_inputs = casting.widest([compat.typeof(v).dtype for v in invals])
-  if new_inputs == jnp.dtype(preferred):
-    return None
-  return dict(eqn.params, preferred_element_type=new_inputs)
+  if preferred is not None and explicit_result_type(eqn) is None:
+    params["preferred_element_type"] = new_inputs
+  if (
+    precision is not None
+    and new_inputs in LOW_DTYPES
+    and precision == compat.configured_matmul_precision()
+  ):
+    params["precision"] = None
+  return params
 
 
 def _retype_combiner(jaxpr, consts, dtype) -> Any:

@@ -66,6 +66,7 @@ ROWS = (
     ("cholesky", "linalg_cholesky", "linalg_cholesky_ex", "cholesky_inverse", "cholesky_solve"),
     F,
     primitives=(prims.cholesky_p,),
+    ops=("linalg_cholesky",),
   ),
   Row(("triangular_solve", "lu_solve"), F, primitives=(prims.triangular_solve_p,)),
   Row(("_lu_with_info",), F, primitives=(prims.lu_p,)),
@@ -80,7 +81,7 @@ ROWS = (
     primitives=(prims.svd_p,),
   ),
   *named_op_rows(F, "pinverse", "linalg_lstsq"),
-  Row(("linalg_eigh", "linalg_eigvalsh"), F, primitives=(prims.eigh_p,)),
+  Row(("linalg_eigh", "linalg_eigvalsh"), F, primitives=(prims.eigh_p,), ops=("linalg_eigh",)),
   Row(("linalg_eig", "linalg_eigvals"), F, primitives=(prims.eig_p,)),
   Row(
     (

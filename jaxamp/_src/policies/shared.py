@@ -38,14 +38,22 @@ SPARSE_MATMUL = (
 )
 
 
+# The linear algebra JAX computes with a step before its primitive (``lax.linalg.cholesky`` and
+# ``eigh`` symmetrize their input): as ops, that step runs in float32 with the primitive.
+LINALG_OPS = ("linalg_cholesky", "linalg_eigh")
+
+
 def linalg_in_float32(besides: tuple[Row, ...] = ()) -> tuple[Row, ...]:
-  """The float32 row of NO_16_BIT_KERNELS, less those ``besides`` lists (CPU's torch rows)."""
+  """The float32 row of NO_16_BIT_KERNELS and LINALG_OPS, less those ``besides`` lists (CPU's
+  torch rows)."""
   listed = {prim for row in besides for prim in row.primitives}
+  listed_ops = {op for row in besides for op in row.ops}
   return (
     Row(
       ("linalg (no low-precision kernels)",),
       Category.FLOAT32,
       primitives=tuple(prim for prim in NO_16_BIT_KERNELS if prim not in listed),
+      ops=tuple(op for op in LINALG_OPS if op not in listed_ops),
     ),
   )
 

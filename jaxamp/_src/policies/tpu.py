@@ -78,7 +78,12 @@ ROWS = (
   # too (torch_xla leaves pow.Tensor_Tensor unlisted).
   Row(("pow",), F, primitives=(prims.pow_p, prims.integer_pow_p, prims.square_p)),
   Row(("prod",), F, primitives=(prims.reduce_prod_p,), ops=("prod",)),
-  Row(("cholesky", "cholesky_inverse", "cholesky_solve"), F, primitives=(prims.cholesky_p,)),
+  Row(
+    ("cholesky", "cholesky_inverse", "cholesky_solve"),
+    F,
+    primitives=(prims.cholesky_p,),
+    ops=("linalg_cholesky",),
+  ),
   Row(("triangular_solve",), F, primitives=(prims.triangular_solve_p,)),
   Row(("qr",), F, primitives=(prims.qr_p,)),
   Row(("svd", "linalg_svd"), F, primitives=(prims.svd_p,)),
