@@ -2,9 +2,9 @@
 bias; a computed addend is a residual and promotes.
 
 Whether an addend is a bias is decided by where it comes from (a parameter or constant that the
-dot's output is not computed with, whatever else reads it), not by its rank: per-example layers written unbatched (Equinox's ``Linear``
-and ``Conv2d``), ``vmap`` (a transpose between the dot and the add) and ``addmv`` all keep their
-output in the low dtype.
+dot's output is not computed with, whatever else reads it), not by its rank: per-example layers
+written unbatched (Equinox's ``Linear`` and ``Conv2d``), ``vmap`` (a transpose between the dot
+and the add) and ``addmv`` all keep their output in the low dtype.
 """
 
 import equinox as eqx

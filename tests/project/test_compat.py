@@ -147,8 +147,8 @@ def test_jnps_promotion_of_an_operand_is_no_requested_cast(spelling):
 
 
 def test_jaxs_and_jaxamps_primitives_are_jaxs_own_and_a_librarys_is_not():
+  from jax.experimental import sparse  # a JAX module imported after the first scan
   from jax.extend.core import Primitive
-  from jax.experimental import sparse  # noqa: F401 (a JAX module imported after the first scan)
 
   assert compat.is_jax_primitive(compat.primitives.add_p)
   assert compat.is_jax_primitive(compat.primitives.remat_opt_p)

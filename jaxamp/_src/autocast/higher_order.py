@@ -48,13 +48,17 @@ def body_avals(invars, values, weak: Sequence[bool] = ()) -> tuple:
   body reads its weak invars from these types (``rewrite``); an array JAX typed weakly for
   other reasons (``-1e9 * mask``) is a tensor in torch and strong inside too.
   """
+  return avals_with_dtypes(invars, [compat.typeof(value).dtype for value in values], weak)
+
+
+def avals_with_dtypes(invars, dtypes, weak: Sequence[bool] = ()) -> tuple:
+  """``body_avals`` for values of ``dtypes``."""
   avals = []
   weak = tuple(weak) or (False,) * len(invars)
-  for var, value, follows in zip(invars, values, weak, strict=True):
-    aval = compat.typeof(value)
-    if aval.dtype != var.aval.dtype:
-      avals.append(compat.aval_with_dtype(var.aval, aval.dtype))
-    elif jnp.issubdtype(aval.dtype, jnp.inexact) and var.aval.weak_type != follows:
+  for var, dtype, follows in zip(invars, dtypes, weak, strict=True):
+    if dtype != var.aval.dtype:
+      avals.append(compat.aval_with_dtype(var.aval, dtype))
+    elif jnp.issubdtype(dtype, jnp.inexact) and var.aval.weak_type != follows:
       avals.append(var.aval.update(weak_type=follows))
     else:
       avals.append(var.aval)
@@ -714,7 +718,8 @@ def _remat_opt_rule(eqn, invals, env, ctx):
   params = eqn.params
   fwd = _rewrite_call(params["fwd_jaxpr"], eqn, invals, env, ctx)
   out_dtypes = tuple(aval.dtype for aval in fwd.out_avals[params["num_res"] :])
-  atoms, values = eqn.invars[params["num_consts"] :], invals[params["num_consts"] :]
+  atoms = eqn.invars[params["num_consts"] :]
+  dtypes = [compat.typeof(value).dtype for value in invals[params["num_consts"] :]]
   computed, weak = computed_inputs(env, atoms), weak_inputs(atoms, env)
   discrete = tuple(discrete_inputs(atoms, env))
   primal_thunk, path = params["fun_jaxpr_thunk"], sub_path(env.path, eqn)
@@ -725,7 +730,7 @@ def _remat_opt_rule(eqn, invals, env, ctx):
     new, _ = rewrite(
       jaxpr,
       consts,
-      body_avals(jaxpr.invars, values, weak),
+      avals_with_dtypes(jaxpr.invars, dtypes, weak),
       ctx,
       out_dtypes,
       path=path,
