@@ -250,6 +250,7 @@ EXAMPLES = {
   ("optax.losses", "l2_loss"): (optax.losses.l2_loss, (X, X * 0.5)),
   ("optax.losses", "huber_loss"): (optax.losses.huber_loss, (X, X * 0.5)),
   ("optax.losses", "cosine_similarity"): (optax.losses.cosine_similarity, (X, X[::-1])),
+  ("optax.losses", "cosine_distance"): (optax.losses.cosine_distance, (X, X[::-1])),
   ("optax.losses", "triplet_margin_loss"): (
     optax.losses.triplet_margin_loss,
     (X, X * 0.5, X[::-1]),
@@ -672,6 +673,18 @@ def test_linear_algebra_symmetrizes_a_16_bit_input_in_float32(name, device_type)
   expected = SYMMETRIZED[name](gram.astype(jnp.float32))  # the 16-bit matrix, in float32
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, expected, rtol=1e-2)  # XLA may keep the product unrounded
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu", "xpu", "tpu"])
+def test_optax_cosine_distance_is_torchs_cosine_embedding_loss_in_float32(device_type):
+  # 1 - cos of nearly aligned 16-bit embeddings: computed in bfloat16 it rounds to 0 or 0.004.
+  low = jaxamp.get_autocast_dtype(device_type)
+  a = jax.random.normal(KEY, (4, 64)).astype(low)
+  b = (a + 1e-2 * jax.random.normal(jax.random.key(1), (4, 64))).astype(low)
+  got = jax.jit(jaxamp.autocast(optax.losses.cosine_distance, device_type=device_type))(a, b)
+  expected = optax.losses.cosine_distance(a.astype(jnp.float32), b.astype(jnp.float32))
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, expected, rtol=1e-2)  # float32 rounds 1 - cos too
 
 
 def test_register_op_recognises_a_function_object_without_wrapping_it():

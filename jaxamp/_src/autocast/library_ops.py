@@ -139,6 +139,8 @@ EAGER_OPS = (
   ("optax.losses", "l2_loss", "mse_loss"),
   ("optax.losses", "huber_loss", "huber_loss"),
   ("optax.losses", "cosine_similarity", "cosine_similarity"),
+  # 1 - cosine similarity: torch's cosine_embedding_loss of a positive pair (target 1)
+  ("optax.losses", "cosine_distance", "cosine_embedding_loss"),
   ("optax.losses", "triplet_margin_loss", "triplet_margin_loss"),
 )
 
