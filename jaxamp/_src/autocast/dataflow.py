@@ -425,10 +425,12 @@ class InputReads(NamedTuple):
   Attributes:
     bits: an input (invar, constvar, a whole read of a reference) -> its bit.
     read: a value -> the bits of the inputs it is computed with.
+    activations: the bits of the inputs an eqn other than an add reads (``activation_reads``).
   """
 
   bits: dict[Any, int]
   read: dict[Any, int]
+  activations: int
 
   def computes_with(self, value, source) -> bool:
     """Whether ``value`` is computed with the input ``source``."""
@@ -443,6 +445,7 @@ def input_reads(jaxpr) -> InputReads:
   bits = {var: 1 << i for i, var in enumerate(inputs)}
   roots: dict[Any, Any] = {}
   read: dict[Any, int] = {}
+  activations = 0
   for eqn in jaxpr.eqns:
     if compat.is_whole_read(eqn):  # reads a parameter, as a function argument is read
       bits.update((out, 1 << (len(bits) + i)) for i, out in enumerate(eqn.outvars))
@@ -457,33 +460,22 @@ def input_reads(jaxpr) -> InputReads:
     for atom in eqn.invars:
       computed_with |= 0 if compat.is_literal(atom) else read.get(atom, 0)
     if eqn.primitive is not prims.add_p:
+      direct = 0
       for atom in _activation_inputs(eqn):
         if not compat.is_literal(atom):
-          computed_with |= bits.get(roots.get(atom, atom), 0)
+          direct |= bits.get(roots.get(atom, atom), 0)
+      computed_with |= direct
+      activations |= direct
     read.update((out, computed_with) for out in eqn.outvars)
-  return InputReads(bits, read)
+  return InputReads(bits, read, activations)
 
 
 def activation_reads(jaxpr) -> set[Any]:
-  """The values (through layout changes) that eqns other than adds read: activations, which
-  a bias never is (``x + W @ x`` is a residual, ``W @ x + b`` a bias add). A value passed into
+  """The inputs (through layout changes) that eqns other than adds read: activations, which
+  a bias never is (``x + W @ x`` is a residual, ``W @ x + b`` a bias add). An input passed into
   a sub-jaxpr (a layer's jit or remat, a scan over layers) counts as its body reads it."""
-  roots: dict[Any, Any] = {}
-  read = set()
-  for eqn in jaxpr.eqns:
-    if compat.is_whole_read(eqn):  # reads a parameter, as a function argument is read
-      continue
-    if eqn.primitive in KEEPS_PROVENANCE:
-      for source, out in passed_through(eqn):
-        if not compat.is_literal(source):
-          roots[out] = roots.get(source, source)
-      continue
-    if eqn.primitive is prims.add_p:
-      continue
-    for atom in _activation_inputs(eqn):
-      if not compat.is_literal(atom):
-        read.add(roots.get(atom, atom))
-  return read
+  reads = body_input_reads(jaxpr)
+  return {var for var, bit in reads.bits.items() if reads.activations & bit}
 
 
 def _activation_inputs(eqn) -> list:

@@ -718,10 +718,10 @@ def _remat_opt_rule(eqn, invals, env, ctx):
   params = eqn.params
   fwd = _rewrite_call(params["fwd_jaxpr"], eqn, invals, env, ctx)
   out_dtypes = tuple(aval.dtype for aval in fwd.out_avals[params["num_res"] :])
-  atoms = eqn.invars[params["num_consts"] :]
-  dtypes = [compat.typeof(value).dtype for value in invals[params["num_consts"] :]]
-  computed, weak = computed_inputs(env, atoms), weak_inputs(atoms, env)
-  discrete = tuple(discrete_inputs(atoms, env))
+  args = slice(params["num_consts"], None)  # the primal's inputs: the fwd's but its consts
+  inputs = body_inputs(eqn, invals, env)
+  dtypes = [compat.typeof(value).dtype for value in inputs.values[args]]
+  atoms = eqn.invars[args]
   primal_thunk, path = params["fun_jaxpr_thunk"], sub_path(env.path, eqn)
 
   @functools.cache
@@ -730,13 +730,13 @@ def _remat_opt_rule(eqn, invals, env, ctx):
     new, _ = rewrite(
       jaxpr,
       consts,
-      avals_with_dtypes(jaxpr.invars, dtypes, weak),
+      avals_with_dtypes(jaxpr.invars, dtypes, inputs.weak[args]),
       ctx,
       out_dtypes,
       path=path,
-      computed=computed,
+      computed=inputs.computed[args],
       constants=known_constants(atoms),
-      discrete=discrete,
+      discrete=inputs.discrete[args],
     )
     return new.jaxpr, new.consts
 
