@@ -1281,6 +1281,28 @@ def _summed_size_one_cases() -> list[dict[str, Any]]:
   return [case(name, expr, "unlisted", "mul", a=A, w=inp("normal", 1, 6))]
 
 
+def _zero_dim_tensor_cases() -> list[dict[str, Any]]:
+  # A 0-dim float32 tensor beside a 16-bit one: type promotion keeps the 16-bit dtype, autocast's
+  # promote (torch's prioritize) counts every floating tensor and widens to float32.
+  mm, s = {"a": A, "b": B}, inp("normal")
+  return [
+    case("mm_plus_0dim", "torch.mm(a, b) + s", "unlisted", "add", **mm, s=s),
+    case("atan2_of_mm_and_0dim", "torch.atan2(torch.mm(a, b), s)", "unlisted", "atan2", **mm, s=s),
+    case(
+      "index_copy_0dim_into_mm",
+      "torch.mm(a, b)[0].index_copy(0, i, s)",
+      "promote",
+      "index_copy",
+      **mm,
+      i=inp("classes:5", dtype="int64"),
+      s=s,
+    ),
+    case(
+      "cat_mm_and_0dim", "torch.cat([torch.mm(a, b)[0], s.reshape(1)])", "promote", "cat", **mm, s=s
+    ),
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
@@ -1298,6 +1320,7 @@ def all_cases() -> list[dict[str, Any]]:
     + _dimension_count_cases()
     + _elementwise_function_cases()
     + _summed_size_one_cases()
+    + _zero_dim_tensor_cases()
   )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}

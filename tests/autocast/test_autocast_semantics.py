@@ -195,6 +195,19 @@ def test_cpu_cat_promotes_to_the_widest():
   assert fun(X, W).dtype == jnp.bfloat16
 
 
+def test_cuda_promote_widens_to_a_0dim_float32_tensor_but_not_to_a_python_scalar():
+  # torch's prioritize reads every floating tensor argument, 0-dim ones too.
+  fun = jaxamp.autocast(lambda x, w, s: jnp.arctan2(x @ w, s), device_type="cuda")
+  assert fun(X, W, jnp.float32(0.5)).dtype == jnp.float32
+  fun = jaxamp.autocast(lambda x, w: jnp.arctan2(x @ w, 0.5), device_type="cuda")
+  assert fun(X, W).dtype == jnp.float16
+
+
+def test_cuda_index_put_of_a_computed_0dim_value_promotes():
+  fun = jaxamp.autocast(lambda x, w: (x @ w).at[0, 1].set(jnp.sum(x)), device_type="cuda")
+  assert fun(X, W).dtype == jnp.float32  # torch.index_put: promote, the 0-dim sum is float32
+
+
 def test_explicit_astype_is_respected():
   def fun(x, w):
     return (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)

@@ -88,6 +88,26 @@ def test_bias_add_inside_a_scan_over_layers_stays_low(device_type, low):
 
 
 @policies
+@pytest.mark.parametrize(
+  "layer",
+  [
+    lambda x, w, a: x @ w + a,
+    lambda x, w, a: a + x @ w,
+    lambda x, w, a: jnp.einsum("bi,io->bo", x, w) + a,
+    jax.vmap(lambda x, w, a: x @ w + a, in_axes=(0, None, None)),
+  ],
+  ids=["dot_plus_scalar", "scalar_plus_dot", "einsum_plus_scalar", "vmapped"],
+)
+def test_a_rank_0_parameter_added_to_a_dot_is_its_bias(device_type, low, layer):
+  # lax broadcasts a rank-0 addend itself; torch's 0-dim tensor added to mm does not promote.
+  fun = jaxamp.autocast(layer, device_type=device_type)
+  assert fun(XS, W.T, jnp.float32(0.5)).dtype == low
+  loss = lambda a: fun(XS, W.T, a).astype(jnp.float32).sum()
+  grad = jax.jit(jax.grad(loss))(jnp.float32(0.5))
+  assert grad.dtype == jnp.float32 and grad == XS.shape[0] * W.shape[0]
+
+
+@policies
 def test_residual_add_of_a_computed_float32_value_promotes(device_type, low):
   fun = jaxamp.autocast(lambda h, w, v: jnp.sin(h) + w @ v, device_type=device_type)
   assert fun(B, W, V).dtype == jnp.float32  # torch: h + F.linear(x, W)

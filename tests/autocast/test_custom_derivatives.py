@@ -176,6 +176,24 @@ def test_custom_vjp_nondiff_argnums_keeps_its_rule():
   assert_close(jax.grad(cuda(loss))(W), jax.grad(loss)(W))
 
 
+@pytest.mark.parametrize("device_type", POLICIES)
+def test_custom_vjp_bwd_complex_cotangent_for_a_real_input_passes_through(device_type):
+  # netket's expect: the backward of a real-to-complex function returns complex cotangents.
+  @jax.custom_vjp
+  def amplitude(w, x):
+    return jnp.sum((x @ w) * (1.0 + 2.0j))
+
+  def amplitude_bwd(x, g):
+    return jnp.outer(jnp.sum(x, 0), jnp.ones(8)) * g * (1 + 2j), None
+
+  amplitude.defvjp(lambda w, x: (amplitude(w, x), x), amplitude_bwd)
+  loss = lambda w, x: jnp.real(amplitude(w, x))
+  expected = jax.grad(loss)(W, X)
+  actual = jax.grad(jaxamp.autocast(loss, device_type=device_type))(W, X)
+  assert actual.dtype == expected.dtype == jnp.complex64
+  np.testing.assert_allclose(actual, expected, rtol=POLICIES[device_type])
+
+
 def test_custom_vjp_differentiated_through_a_closed_over_value_raises_as_jax_does():
   """A gradient through a value the primal closes over is JAX's error, not a silent zero."""
 

@@ -421,6 +421,10 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   "i0": jnp.i0,
   "i1": jax.scipy.special.i1,
   "nansum": lambda x: jnp.nansum(x, axis=1),
+  "mm_plus_0dim": lambda a, b, s: a @ b + s,
+  "atan2_of_mm_and_0dim": lambda a, b, s: jnp.arctan2(a @ b, s),
+  "index_copy_0dim_into_mm": lambda a, b, i, s: (a @ b)[0].at[i].set(s),
+  "cat_mm_and_0dim": lambda a, b, s: jnp.concatenate([(a @ b)[0], s.reshape(1)]),
 }
 
 # The same cases through library functions autocast recognises (optax, jax.nn, flax).

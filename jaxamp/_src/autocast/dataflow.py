@@ -265,6 +265,16 @@ class Provenance:
     converted = root is not atom and (root.aval.dtype == np.bool_ or atom in self.promoted)
     return converted or root in self.masks
 
+  def is_zero_dim_tensor(self, atom) -> bool:
+    """A rank-0 value that is not a Python scalar, and its layout changes: torch's 0-dim tensor.
+    Type promotion lets it follow a partner with dims; autocast's promote casts to the widest
+    of every floating tensor, 0-dim ones included (``index_copy(h, 0, i, torch.tensor(2.5))``
+    of a bfloat16 ``h`` is float32)."""
+    if compat.is_literal(atom) or self.is_discrete(atom):
+      return False
+    root = self.root(atom)
+    return not root.aval.shape and not self.is_python_scalar(root)
+
   def is_like(self, atom) -> bool:
     """A fill made by ``zeros_like``, ``ones_like``, ``full_like`` or ``empty_like`` (and layout
     changes of it): torch's ``*_like`` take their prototype's run-time dtype, which is the
@@ -328,7 +338,9 @@ def is_bias_of(out: Dims, bias: Dims, shape: Sequence[int]) -> bool:
   bias varies along the weight's output features only, and along the dot's batch dims only
   where that operand is a stack of weights passed in (a vmapped ensemble of linear layers, each
   with its bias). An addend with batch or sequence extent (an attention mask over queries and
-  keys, a padding mask over the keys of computed ones, a positional embedding) is not a bias."""
+  keys, a padding mask over the keys of computed ones, a positional embedding) is not a bias.
+  A rank-0 addend, which lax broadcasts itself (``x @ w + a``), varies along no dim."""
+  bias = bias or (NOWHERE,) * len(out)
   origins = frozenset().union(*(o for o, b in zip(out, bias, strict=True) if b))
   free = origins - {BATCH, *STACKED.values()}
   if BATCH not in origins:

@@ -490,14 +490,16 @@ def _linear_solve_rule(eqn, invals, env, ctx):
 
 
 def _match(values, dtypes) -> list:
-  """``values`` cast to ``dtypes`` (float0 tangents and non-floats left alone)."""
+  """``values`` cast to ``dtypes`` where both are real floating dtypes (float0 tangents,
+  integers and complex values left alone: a custom rule's complex cotangent for a real input,
+  as netket's ``expect`` returns, is the rule's answer)."""
   out = []
   for value, dtype in zip(values, dtypes, strict=True):
     current = compat.typeof(value).dtype
     if (
       current == dtype
-      or not jnp.issubdtype(current, jnp.inexact)
-      or not jnp.issubdtype(dtype, jnp.inexact)
+      or not jnp.issubdtype(current, jnp.floating)
+      or not jnp.issubdtype(dtype, jnp.floating)
     ):
       out.append(value)
     else:

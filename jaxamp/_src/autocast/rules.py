@@ -188,10 +188,13 @@ def _float32_target(eqn, floats, env, policy) -> np.dtype:
 
 
 def _promote_target(eqn, floats, env, policy) -> np.dtype | None:
+  """The widest floating tensor operand's dtype, as torch's ``prioritize``: 0-dim tensors count;
+  Python scalars, converted booleans and integers, and fills standing for scalars do not."""
+  facts = env.facts
   strong = [
     env.dtype(a)
     for i, (a, f) in enumerate(zip(eqn.invars, floats, strict=True))
-    if f and not env.facts.follows_partner(eqn, i)
+    if f and (facts.is_zero_dim_tensor(a) or not facts.follows_partner(eqn, i))
   ]
   return casting.widest(strong) if strong else None
 
