@@ -1303,6 +1303,16 @@ def _zero_dim_tensor_cases() -> list[dict[str, Any]]:
   ]
 
 
+def _long_sum_cases() -> list[dict[str, Any]]:
+  # A long 16-bit sum: torch's sum kernel accumulates in float32 and rounds once, however the sum
+  # is spelled in JAX (jnp.sum, or the bare lax.reduce_sum a transposed broadcast is).
+  long_row, mm = low("positive", 2, 4096), {"a": inp("uniform", 64, 4), "b": inp("uniform", 4, 512)}
+  return [
+    case("sum_long", "torch.sum(x, dim=1)", "unlisted", "sum", x=long_row),
+    case("sum_long_of_mm", "torch.mm(a, b).sum()", "unlisted", "sum", **mm),
+  ]
+
+
 def all_cases() -> list[dict[str, Any]]:
   """Every case's definition (no input values), in the golden file's order. Inputs are drawn in
   this order from one generator: new cases go last, so the recorded inputs of others stay."""
@@ -1321,6 +1331,7 @@ def all_cases() -> list[dict[str, Any]]:
     + _elementwise_function_cases()
     + _summed_size_one_cases()
     + _zero_dim_tensor_cases()
+    + _long_sum_cases()
   )
   names = [c["name"] for c in cases]
   duplicates = {n for n in names if names.count(n) > 1}

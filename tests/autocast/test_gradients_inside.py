@@ -164,3 +164,38 @@ def test_torch_autocast_gives_float32_gradients_of_float32_leaves():
   assert _dtypes(grads) == [F32, F32]
   for got, want in zip(grads, (gx, gw), strict=True):
     np.testing.assert_allclose(got, want.detach().numpy(), rtol=0.05, atol=0.05)
+
+
+# A bias broadcast over two batch dimensions (a batch of sequences, IQN's batch of quantiles): the
+# transpose of its broadcast is a bare ``lax.reduce_sum`` of 32768 bfloat16 cotangents, which
+# XLA:CPU accumulates in bfloat16 (half the gradient lost) where torch's sum accumulates in float32.
+BATCHES = np.random.default_rng(0).standard_normal((64, 512, 4)).astype(np.float32)
+SPREAD = (np.random.default_rng(1).standard_normal((4, 8)) / 4).astype(np.float32)
+BIAS = np.random.default_rng(2).uniform(1.0, 2.0, (8,)).astype(np.float32)
+
+
+def _squares(w, b, x):
+  return jnp.sum(jnp.square(x @ w + b)) / 2
+
+
+def _bias_gradient_inside():
+  grad = jax.jit(jaxamp.autocast(jax.grad(_squares, argnums=1), device_type="cpu"))
+  return grad(SPREAD, BIAS, BATCHES)
+
+
+def test_a_bias_gradient_inside_is_summed_in_float32_and_rounded_once():
+  got, exact = _bias_gradient_inside(), jax.grad(_squares, argnums=1)(SPREAD, BIAS, BATCHES)
+  assert got.dtype == F32
+  np.testing.assert_allclose(got, exact, rtol=2**-7)  # bfloat16's half ulp, with its inputs'
+
+
+def test_a_bias_gradient_inside_matches_torchs_within_one_bfloat16_ulp():
+  torch = pytest.importorskip("torch")
+  w = torch.tensor(SPREAD, requires_grad=True)
+  b = torch.tensor(BIAS, requires_grad=True)
+  with torch.autocast("cpu", dtype=torch.bfloat16):
+    loss = torch.sum(torch.square(torch.nn.functional.linear(torch.tensor(BATCHES), w.T, b))) / 2
+    (want,) = torch.autograd.grad(loss, b)
+  want = want.numpy()
+  one_ulp = np.spacing(want.astype(jnp.bfloat16)).astype(np.float32)
+  assert (np.abs(np.asarray(_bias_gradient_inside()) - want) <= one_ulp).all()

@@ -380,6 +380,8 @@ JAX_COUNTERPARTS: dict[str, Callable[..., jax.Array]] = {
   "int_plus_low": lambda a, x: a + x,
   "bool_where": jnp.where,
   "cumsum_long": lambda x: jnp.cumsum(x, axis=1),
+  "sum_long": lambda x: jnp.sum(x, axis=1),
+  "sum_long_of_mm": lambda a, b: jnp.sum(a @ b),
   "cumprod_long": lambda x: jnp.cumprod(x, axis=1),
   "logcumsumexp_long": lambda x: lax.cumlogsumexp(x, axis=1),
   "var_offset": lambda x: jnp.var(x, axis=1, ddof=1),
@@ -464,6 +466,8 @@ LIBRARY_COUNTERPARTS: dict[str, tuple[str, Callable[..., jax.Array]]] = {
   "kl_div_sum@optax": ("kl_div_sum", lambda x, t: jnp.sum(optax.kl_divergence(x, t))),
   "logsumexp@jax.scipy": ("logsumexp", lambda x: jax.scipy.special.logsumexp(x, axis=1)),
   "cumsum_long@lax": ("cumsum_long", lambda x: lax.cumsum(x, axis=1)),
+  "sum_long@lax": ("sum_long", lambda x: lax.reduce_sum(x, (1,))),
+  "sum_long_of_mm@lax": ("sum_long_of_mm", lambda a, b: lax.reduce_sum(a @ b, (0, 1))),
   "adaptive_avg_pool3d@equinox": (
     "adaptive_avg_pool3d",
     lambda x: jax.vmap(eqx.nn.AdaptiveAvgPool3d(2))(x),
@@ -500,6 +504,7 @@ TRACED_AS_FLOAT32 = frozenset(
     "median",
     "avg_pool2d_wide",
     "unfold_low",
+    "sum_long",
   }
 )
 
@@ -754,6 +759,10 @@ def test_matches_torch_live(label, mode):
 # once: jaxamp's result is torch's to within one unit in the last place (the float32 additions
 # may come in another order), where a 16-bit accumulation is off by many.
 ROUNDED_ONCE = [
+  "sum_long",
+  "sum_long@lax",
+  "sum_long_of_mm",
+  "sum_long_of_mm@lax",
   "cumsum_long",
   "cumsum_long@lax",
   "cumprod_long",

@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import jaxpr_utils
 import pytest
 from jax import lax
 
@@ -187,10 +188,18 @@ def test_an_unknown_torch_op_name_lists_the_close_valid_ones():
 
 
 def test_an_op_only_category_for_a_primitive_says_why():
-  with pytest.raises(ValueError, match=r"FLOAT32_INSIDE cannot apply to primitive 'exp'.*FLOAT32"):
-    jaxamp.policy("cuda").with_rules({lax.exp_p: jaxamp.Category.FLOAT32_INSIDE})
   with pytest.raises(ValueError, match=r"FORBIDDEN cannot apply to 'exp' \(primitive exp\)"):
     jaxamp.policy("cuda").with_rules({"exp": jaxamp.Category.FORBIDDEN})
+  with pytest.raises(ValueError, match=r"FORBIDDEN cannot apply to primitive 'tanh'"):
+    jaxamp.policy("cuda").with_rules({lax.tanh_p: jaxamp.Category.FORBIDDEN})
+
+
+def test_a_float32_inside_primitive_computes_in_float32_and_returns_its_inputs_dtype():
+  policy = jaxamp.policy("cuda").with_rules({lax.tanh_p: jaxamp.Category.FLOAT32_INSIDE})
+  fun = jaxamp.autocast(lambda x, w: jnp.tanh(x @ w), policy=policy)
+  x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
+  assert jaxpr_utils.dtypes_of(jaxpr_utils.traced(fun, x, w), "tanh") == [((F32,), (F32,))]
+  assert fun(x, w).dtype == jnp.float16
 
 
 def test_a_category_for_a_higher_order_primitive_says_why_at_autocast():

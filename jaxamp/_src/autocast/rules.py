@@ -322,7 +322,23 @@ def by_category(eqn, env: Env, ctx: Context) -> Applied:
   """Casts the eqn's inputs as its primitive's category says, and binds it natively."""
   category = primitive_category(eqn, ctx.policy)
   outs, ran_on = bind_native(eqn, env, cast_inputs(category, eqn, env, ctx.policy))
+  if category is Category.FLOAT32_INSIDE:
+    outs = _in_input_dtype(eqn, env, outs)
   return Applied(outs, Ruling(Decider.CATEGORY, category), ran_on)
+
+
+def _in_input_dtype(eqn, env: Env, outs: list) -> list:
+  """A FLOAT32_INSIDE primitive's float32 results in the widest floating dtype its inputs had
+  (a bare ``lax.reduce_sum`` of bfloat16 is torch's ``sum``: float32 inside, bfloat16 out)."""
+  entering = [env.dtype(a) for a in eqn.invars if casting.is_eligible(env.dtype(a))]
+  if not entering:
+    return outs
+  dtype = casting.widest(entering)
+  return [casting.as_dtype(out, dtype) if _is_float32(out) else out for out in outs]
+
+
+def _is_float32(value) -> bool:
+  return compat.typeof(value).dtype == FLOAT32
 
 
 def _convert(eqn, env: Env, ctx: Context) -> Applied:

@@ -145,6 +145,12 @@ ROWS = (
   # torch's CPU softmax, norm, reduction and scan kernels accumulate in float32 and return the
   # input dtype (rms_norm and cumsum too, checked on torch 2.13: bitwise the float32 result
   # rounded).
+  # Their primitives too: a bare ``lax.reduce_sum`` (the transpose of a broadcast, when
+  # ``jax.grad`` runs inside an autocast function) would accumulate in bfloat16 on XLA:CPU.
+  Row(("sum",), F_IN, primitives=(prims.reduce_sum_p,), ops=("sum",)),
+  Row(("cumsum",), F_IN, primitives=(prims.cumsum_p,), ops=("cumsum",)),
+  Row(("cumprod",), F_IN, primitives=(prims.cumprod_p,), ops=("cumprod",)),
+  Row(("logcumsumexp",), F_IN, primitives=(prims.cumlogsumexp_p,), ops=("logcumsumexp",)),
   Row(("avg_pool1d", "avg_pool2d"), F_IN, ops=("avg_pool",)),
   Row((shared.WINDOW_SUM,), F_IN, ops=("window_sum",)),
   Row(shared.UPSAMPLE_OPS, F_IN, ops=("upsample",)),
@@ -156,13 +162,9 @@ ROWS = (
       "layer_norm",
       "group_norm",
       "batch_norm",
-      "sum",
       "mean",
       "var",
       "std",
-      "cumsum",
-      "cumprod",
-      "logcumsumexp",
       "rms_norm",
       "instance_norm",
     ),
@@ -174,13 +176,9 @@ ROWS = (
       "layer_norm",
       "group_norm",
       "batch_norm",
-      "sum",
       "mean",
       "var",
       "std",
-      "cumsum",
-      "cumprod",
-      "logcumsumexp",
       "rms_norm",
       "instance_norm",
     ),

@@ -21,11 +21,9 @@ import numpy as np
 from jaxamp._src import compat
 from jaxamp._src.policies.table import LOW_DTYPES, Category, LazyPrimitive, Row, Table, Variant
 
-# Categories only an op region can have: they describe what a composite returns (FLOAT32_INSIDE:
-# its input's dtype) or refuse the op on entering it (FORBIDDEN); a primitive's outputs are its own.
+# Categories only an op region can have: FORBIDDEN refuses the op on entering it. (A
+# FLOAT32_INSIDE primitive computes in float32 and returns its widest floating input's dtype.)
 _OP_ONLY = {
-  Category.FLOAT32_INSIDE: "computes in float32 and returns the main input's dtype, which only "
-  "a composite (an op region) can do; for a primitive use Category.FLOAT32",
   Category.FORBIDDEN: "raises on entering an op region; a primitive has none",
 }
 
